@@ -1,0 +1,314 @@
+"""The speculative decoding engine: propose → verify → accept → commit over a batch of sequences.
+
+The engine owns each sequence's committed tokens and drives two stages through ``Stages``: a proposer
+(draft model, n-gram, or a remote draft pool) and a verifier (the target). In-process, ``LocalStages``
+runs them directly; the Ray router hands in remote stages with the same interface, so there is one step
+loop, not two.
+
+Running sequences are split into ``micro_batches`` groups that take turns. While the verifier checks one
+group's proposal, the next group's proposal is already being drafted (``step`` submits it before waiting
+for the verify result); with remote stages on different workers that is the draft/verify overlap, and
+in-process it degenerates to plain sequential execution. Sequences join and leave between steps
+(continuous batching); a joining sequence is prefilled by its first verify forward and its draft cache
+by its first proposal.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence as Seq
+
+from verifier.gamma import GammaPolicy, GammaState
+from verifier.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
+                               VerifyItem, VerifyOutcome)
+from verifier.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_tokens: int = 64
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()  # stop strings; need the engine's ``detokenize``
+    ignore_eos: bool = False
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: Request
+    tokens: list[int]  # prompt + generated, committed
+    num_prompt: int
+    micro_batch: int = 0
+    proposer_base: int = 0  # committed tokens the proposer holds
+    verifier_base: int = 0  # committed tokens the verifier holds
+    gamma_state: GammaState = field(default_factory=GammaState)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    text: str | None = None  # output text cut at a stop string, when one matched
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    seq_id: int
+    new_tokens: tuple[int, ...]
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | None while running
+
+
+@dataclass(frozen=True)
+class Output:
+    seq_id: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    finish_reason: str
+    stats: SpecStats
+    text: str | None = None
+
+
+class Pending(Protocol):
+    def result(self): ...
+
+
+class Done:
+    """An already-computed stage result."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class Stages(Protocol):
+    def submit_propose(self, items: Seq[ProposeItem]) -> Pending: ...
+
+    def submit_verify(self, items: Seq[VerifyItem], proposal: ProposalBatch) -> Pending: ...
+
+    def release(self, seq_ids: Seq[int]) -> None: ...
+
+
+class LocalStages:
+    """Both stages in this process (the unit tests, the CLI, the benchmarks, a colocated replica)."""
+
+    def __init__(self, verifier, proposer: Proposer | None):
+        self.verifier = verifier
+        self.proposer = proposer
+
+    def submit_propose(self, items):
+        if self.proposer is None:
+            return Done(ProposalBatch.empty([it.sync.seq_id for it in items]))
+        return Done(self.proposer.propose(items))
+
+    def submit_verify(self, items, proposal):
+        return Done(self.verifier.verify(items, proposal))
+
+    def release(self, seq_ids):
+        self.verifier.release(seq_ids)
+        if self.proposer is not None:
+            self.proposer.release(seq_ids)
+
+
+class Engine:
+    def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
+                 max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
+                 detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True):
+        self.stages = stages
+        self.policy = policy or GammaPolicy()
+        self.eos = frozenset(eos_token_ids)
+        self.max_len = max_len
+        self.max_running = max_running
+        self.micro_batches = max(1, micro_batches)
+        self.detokenize = detokenize
+        self.speculate = speculate
+        self.running: dict[int, Sequence] = {}
+        self.finished: dict[int, Sequence] = {}  # until collected with ``output``
+        self.waiting: list[Sequence] = []
+        self.stats = SpecStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # add/cancel from other threads
+        self._next_id = 0
+        self._turn = 0
+        self._pending: dict[int, tuple[Pending, list[int]]] = {}  # micro-batch → in-flight proposal
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def add(self, request: Request, seq_id: int | None = None) -> int:
+        """Queue a request (thread-safe); it joins the running batch at the next step."""
+        if not request.prompt:
+            raise ValueError("prompt must contain at least one token")
+        if len(request.prompt) >= self.max_len:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens does not fit the context of "
+                             f"{self.max_len} tokens")
+        if request.stop and self.detokenize is None:
+            raise ValueError("stop strings need a tokenizer")
+        if seq_id is None:
+            seq_id = self._next_id
+            self._next_id += 1
+        self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt))))
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a sequence (thread-safe) and free its caches in both stages at the next step."""
+        self._inbox.put(("cancel", seq_id))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or not self._inbox.empty())
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepEvent]:
+        """One verify step of the next micro-batch (and the drafting of the one after it)."""
+        events = self._drain_inbox()
+        self._admit()
+        groups = self._groups()
+        if not groups:
+            return events
+        k = sorted(groups)[self._turn % len(groups)]
+        self._turn += 1
+        batch = groups[k]
+
+        pending = self._pending.pop(k, None) or self._submit_propose(batch)
+        proposal: ProposalBatch = pending[0].result()
+        verify = self.stages.submit_verify(self._verify_items(batch), proposal)
+        following = sorted(groups)[self._turn % len(groups)]
+        if following != k and following not in self._pending:
+            self._pending[following] = self._submit_propose(groups[following])  # drafts while we verify
+        outcome: VerifyOutcome = verify.result()
+        events.extend(self._commit(batch, proposal, outcome))
+        return events
+
+    def _submit_propose(self, batch: list[Sequence]) -> tuple[Pending, list[int]]:
+        items = []
+        for seq in batch:
+            gamma = self._gamma(seq)
+            items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
+                                     gamma, seq.request.sampling))
+            seq.proposer_base = len(seq.tokens)
+        return self.stages.submit_propose(items), [seq.seq_id for seq in batch]
+
+    def _gamma(self, seq: Sequence) -> int:
+        if not self.speculate:
+            return 0
+        remaining = seq.request.max_tokens - len(seq.generated)
+        room = self.max_len - len(seq.tokens) - 1
+        # Drafting past max_tokens is wasted: the step emits up to gamma + 1 tokens.
+        return max(0, min(self.policy.choose(seq.gamma_state), remaining - 1, room))
+
+    def _verify_items(self, batch: list[Sequence]) -> list[VerifyItem]:
+        return [VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])), s.request.sampling)
+                for s in batch]
+
+    def _commit(self, batch: list[Sequence], proposal: ProposalBatch, outcome: VerifyOutcome) -> list[StepEvent]:
+        for seq_id in proposal.resync:
+            if seq_id in self.running:
+                self.running[seq_id].proposer_base = 0  # the proposer lost it: resend the whole history
+        drafted = int(proposal.lengths.max()) if len(proposal.lengths) else 0
+        if drafted and outcome.verify_seconds > 0 and proposal.draft_seconds > 0:
+            c = (proposal.draft_seconds / drafted) / outcome.verify_seconds
+            self.policy.cost_ratio = 0.8 * self.policy.cost_ratio + 0.2 * c
+        step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds)
+        events = []
+        for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,
+                                                       outcome.num_proposed):
+            seq = self.running.get(seq_id)
+            if seq is None:
+                continue
+            if seq_id in outcome.resync:
+                seq.verifier_base = 0
+                continue
+            seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
+            self.policy.observe(seq.gamma_state, proposed, accepted)
+            new = self._append(seq, emitted)
+            for st in (seq.stats, step_stats):
+                st.record(proposed, accepted, len(new))
+            events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        seq_share = len(batch) or 1
+        for seq in batch:
+            seq.stats.draft_seconds += proposal.draft_seconds / seq_share
+            seq.stats.verify_seconds += outcome.verify_seconds / seq_share
+        self.stats.merge(step_stats)
+        return events
+
+    def _append(self, seq: Sequence, emitted: list[int]) -> list[int]:
+        """Commit emitted tokens one by one, stopping at EOS, max_tokens, a stop string or the context end."""
+        new = []
+        for token in emitted:
+            seq.tokens.append(token)
+            new.append(token)
+            if token in self.eos and not seq.request.ignore_eos:
+                seq.finish_reason = "stop"
+            elif len(seq.generated) >= seq.request.max_tokens or len(seq.tokens) >= self.max_len:
+                seq.finish_reason = "length"
+            elif seq.request.stop and self._hit_stop(seq):
+                seq.finish_reason = "stop"
+            if seq.finish_reason:
+                break
+        return new
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.detokenize(seq.generated)
+        cuts = [text.find(s) for s in seq.request.stop if s in text]
+        if not cuts:
+            return False
+        seq.text = text[: min(cuts)]
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.pop(seq.seq_id, None)
+        self.stages.release([seq.seq_id])
+        self.finished[seq.seq_id] = seq
+
+    # -- membership ------------------------------------------------------------------------------------
+
+    def _drain_inbox(self) -> list[StepEvent]:
+        events = []
+        while not self._inbox.empty():
+            op, arg = self._inbox.get()
+            if op == "add":
+                self.waiting.append(arg)
+                continue
+            seq = self.running.get(arg) or next((s for s in self.waiting if s.seq_id == arg), None)
+            if seq is None:
+                continue
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.finish_reason = "cancelled"
+            self._finish(seq)
+            events.append(StepEvent(seq.seq_id, (), "cancelled"))
+        return events
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.pop(0)
+            sizes = {k: 0 for k in range(self.micro_batches)}
+            for s in self.running.values():
+                sizes[s.micro_batch] += 1
+            seq.micro_batch = min(sizes, key=lambda k: (sizes[k], k))
+            self.running[seq.seq_id] = seq
+
+    def _groups(self) -> dict[int, list[Sequence]]:
+        groups: dict[int, list[Sequence]] = {}
+        for seq in self.running.values():
+            groups.setdefault(seq.micro_batch, []).append(seq)
+        return groups
+
+    # -- convenience -----------------------------------------------------------------------------------
+
+    def generate(self, requests: Seq[Request]) -> list[Output]:
+        """Run the given requests to completion (other running sequences keep going too)."""
+        ids = [self.add(r) for r in requests]
+        while any(i not in self.finished for i in ids):
+            self.step()
+        return [self.output(i) for i in ids]
+
+    def output(self, seq_id: int) -> Output:
+        seq = self.finished.pop(seq_id)
+        return Output(seq_id, seq.request.prompt, tuple(seq.generated), seq.finish_reason, seq.stats, seq.text)

@@ -1,0 +1,99 @@
+"""A compact forward for Llama-family models over ragged rows with per-row positions.
+
+Why not Hugging Face's own forward with a custom Cache + registered attention function? Both were tried
+(DESIGN.md §4): they give the same logits, but the HF route depends on version-specific names
+(``cache_position`` vs ``position_ids``, ``past_key_values`` vs ``cache``, ``CacheLayerMixin``), and the
+GPU image runs transformers 5.17 while this machine runs 5.24; the HF route also costs ~0.3 ms of Python
+per call, which is a large share of a tiny model's step. This forward calls the model's own submodules
+(embeddings, norms, q/k/v/o projections, MLP, rotary embedding, LM head), so weights, biases, RoPE
+scaling, and DeepSpeed AutoTP's sharded Linear layers (which change the local head count) all keep
+working, while positions, masks and the KV pool are ours.
+
+Row b feeds ``input_ids[b, :lengths[b]]`` at positions ``start[b] …``; padded tokens write their K/V to
+a scratch column (index ``pool.max_len``) that no read ever covers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verifier.kv_cache import KVPool
+
+
+def layer_windows(model) -> list[int | None]:
+    """Sliding-window size per layer (Mistral: all layers; Qwen2: the layers typed sliding_attention)."""
+    config = model.config
+    windows = []
+    for layer in model.model.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        if window is None and config.model_type == "mistral":
+            window = getattr(config, "sliding_window", None)
+        windows.append(window)
+    return windows
+
+
+def head_dim_of(model) -> int:
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def local_kv_heads(model) -> int:
+    """KV heads held by this process (fewer than the config says when AutoTP sharded k_proj)."""
+    return model.model.layers[0].self_attn.k_proj.weight.shape[0] // head_dim_of(model)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.inference_mode()
+def forward(
+    model,
+    pool: KVPool,
+    windows: list[int | None],
+    rows: torch.Tensor,  # [B] int64 KV slots
+    start: torch.Tensor,  # [B] int64 position of input_ids[:, 0]
+    input_ids: torch.Tensor,  # [B, T] int64, padded
+    lengths: torch.Tensor,  # [B] int64 real tokens per row (≥ 1 for rows that need logits)
+    logit_index: torch.Tensor,  # [B, N] int64 column indices into T whose logits are returned
+    kv_len: int,  # ≥ max(start + lengths), ≤ pool.max_len; keys read per row
+    contiguous_from: int | None,  # rows == arange(contiguous_from, contiguous_from + B) if not None
+) -> torch.Tensor:  # [B, N, V] logits
+    inner = model.model
+    B, T = input_ids.shape
+    device = input_ids.device
+    steps = torch.arange(T, device=device).unsqueeze(0)  # [1, T]
+    positions = start.unsqueeze(1) + steps  # [B, T]
+    real = steps < lengths.unsqueeze(1)  # [B, T]
+    write_pos = torch.where(real, positions, torch.full_like(positions, pool.max_len))
+
+    key_pos = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    query_pos = positions.unsqueeze(2)  # [B, T, 1]
+    causal = key_pos <= query_pos  # [B, T, kv_len]
+    masks = {}
+    for window in set(windows):
+        masks[window] = (causal if window is None else causal & (key_pos > query_pos - window)).unsqueeze(1)
+
+    hidden = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(hidden, positions)  # [B, T, D]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    head_dim = head_dim_of(model)
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(B, T, -1, head_dim)
+        k = attn.k_proj(x).view(B, T, -1, head_dim)
+        v = attn.v_proj(x).view(B, T, -1, head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        pool.write(i, rows, write_pos, k, v)
+        keys, values = pool.read(i, rows, kv_len, contiguous_from)  # [B, kv_len, Hkv, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=masks[windows[i]], scale=attn.scaling, enable_gqa=True)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    picked = hidden.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
+    return model.lm_head(inner.norm(picked))

@@ -1,0 +1,114 @@
+"""Messages exchanged by the step's stages, and the proposer protocol.
+
+The router (or the in-process engine) owns every sequence's committed tokens. Each stage — the proposer
+and the verifier — keeps its own copy plus a KV cache, and is told per step only what changed:
+``base`` (how many of the committed tokens it already holds and that are still valid) and ``tokens``
+(the committed tokens after ``base``). A stage that does not hold ``base`` tokens of a sequence (it is
+new, it restarted, it evicted the sequence) answers with ``resync`` and is sent the whole history. So
+stage state is a cache, never a source of truth: losing a replica costs a re-prefill, never a token.
+
+These dataclasses are plain Python + torch so that ``cluster.wire`` can encode them for msgpack and the
+in-process engine can pass them by reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` means greedy (then top_p/top_k are irrelevant)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class SyncItem:
+    """What a stage needs to bring its copy of one sequence up to date."""
+
+    seq_id: int
+    base: int  # committed tokens the stage should already hold
+    tokens: tuple[int, ...]  # committed tokens after ``base`` (the whole history when base == 0)
+
+
+@dataclass(frozen=True)
+class ProposeItem:
+    sync: SyncItem
+    gamma: int  # draft tokens wanted; 0 asks the proposer only to sync
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass
+class ProposalBatch:
+    """γ_b draft tokens per row, padded to G = max γ_b.
+
+    ``q_ids``/``q_probs`` are the proposal distribution q in sparse form (K support ids per position;
+    K = vocab size means dense). They are ``None`` when every row was drafted greedily: greedy drafts are
+    verified against a one-hot q, which needs no data. A row drafted greedily inside a sampled batch
+    carries a one-hot q (K entries, one of which holds 1.0).
+    """
+
+    seq_ids: list[int]
+    tokens: torch.Tensor  # [B, G] int64, zero beyond lengths
+    lengths: torch.Tensor  # [B] int64, 0 <= lengths[b] <= G
+    q_ids: torch.Tensor | None = None  # [B, G, K] int64
+    q_probs: torch.Tensor | None = None  # [B, G, K] float32
+    resync: list[int] = field(default_factory=list)  # seq_ids the proposer could not sync
+    draft_seconds: float = 0.0  # time spent in draft forwards for this batch
+
+    @staticmethod
+    def empty(seq_ids: Sequence[int], resync: Sequence[int] = ()) -> "ProposalBatch":
+        n = len(seq_ids)
+        return ProposalBatch(
+            seq_ids=list(seq_ids),
+            tokens=torch.zeros((n, 0), dtype=torch.long),
+            lengths=torch.zeros(n, dtype=torch.long),
+            resync=list(resync),
+        )
+
+    def row_tokens(self, b: int) -> list[int]:
+        return self.tokens[b, : int(self.lengths[b])].tolist()
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    sync: SyncItem
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass
+class VerifyOutcome:
+    """Per row: the tokens the step emitted (accepted drafts then one recovered/bonus token)."""
+
+    seq_ids: list[int]
+    emitted: list[list[int]]  # accepted draft tokens + 1 recovered or bonus token; [] for resync rows
+    num_accepted: list[int]  # accepted draft tokens per row
+    num_proposed: list[int]  # draft tokens that were verified per row
+    resync: list[int] = field(default_factory=list)  # seq_ids the verifier could not sync
+    verify_seconds: float = 0.0
+
+
+class Proposer(Protocol):
+    """Anything that proposes draft tokens for a batch of sequences (draft model, n-gram, remote pool).
+
+    Proposers know nothing about acceptance: they learn what was accepted only through the next
+    ``SyncItem`` (whatever it does not match of what they drafted is rolled back).
+    """
+
+    def propose(self, items: Sequence[ProposeItem]) -> ProposalBatch: ...
+
+    def release(self, seq_ids: Sequence[int]) -> None: ...

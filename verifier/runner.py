@@ -1,0 +1,145 @@
+"""A model plus its KV pool, holding each sequence's tokens and what of them is cached.
+
+Both stages use it: the verifier for the target, the draft proposer for the draft. A sequence's state is
+a cache of the router's truth (see ``protocol``): ``sync`` brings it up to date or reports that it
+cannot, and ``forward`` feeds every row whatever it has not cached yet — one token in steady state, the
+whole prompt on a join or a resync, a bonus token plus the last draft after a fully accepted chain — in
+one batched call, returning logits at the last ``n`` fed positions of each row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from verifier import forward as fwd
+from verifier.kv_cache import KVPool
+from verifier.protocol import SyncItem
+
+
+class SequenceTooLong(ValueError):
+    pass
+
+
+@dataclass
+class SequenceState:
+    slot: int
+    tokens: list[int] = field(default_factory=list)  # committed tokens this stage holds
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V sit in the slot, in order
+    valid: int = 0  # leading positions where cached == tokens
+
+
+@dataclass
+class ForwardStats:
+    calls: int = 0
+    seconds: float = 0.0
+    tokens_fed: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model, *, max_slots: int, max_len: int, kv_bucket: int = 16):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.vocab_size
+        self.max_len = max_len
+        self.kv_bucket = kv_bucket
+        self.windows = fwd.layer_windows(model)
+        # +1 column: the scratch position that padded tokens write to (see forward.py).
+        self.pool = KVPool(num_layers=len(model.model.layers), num_slots=max_slots, max_len=max_len + 1,
+                           kv_heads=fwd.local_kv_heads(model), head_dim=fwd.head_dim_of(model),
+                           dtype=self.dtype, device=self.device)
+        self.pool.max_len = max_len  # reads never reach the scratch column
+        self.seqs: dict[int, SequenceState] = {}
+        self.stats = ForwardStats()
+
+    # -- sequence bookkeeping ------------------------------------------------------------------------
+
+    def sync(self, item: SyncItem) -> bool:
+        """Apply ``item``; False when this runner does not hold ``item.base`` tokens (needs a resync)."""
+        state = self.seqs.get(item.seq_id)
+        if state is None:
+            if item.base != 0:
+                return False
+            state = self.seqs[item.seq_id] = SequenceState(slot=self.pool.allocate())
+        elif len(state.tokens) < item.base:
+            return False
+        if item.base + len(item.tokens) > self.max_len:
+            raise SequenceTooLong(f"sequence {item.seq_id} would exceed max_len {self.max_len}")
+        del state.tokens[item.base:]
+        state.tokens.extend(item.tokens)
+        state.valid = min(state.valid, item.base)
+        # Extend agreement over what was cached speculatively (accepted drafts) — only the new tail is scanned.
+        limit = min(len(state.tokens), len(state.cached))
+        while state.valid < limit and state.cached[state.valid] == state.tokens[state.valid]:
+            state.valid += 1
+        return True
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            state = self.seqs.pop(seq_id, None)
+            if state is not None:
+                self.pool.free(state.slot)
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
+    # -- the batched forward -------------------------------------------------------------------------
+
+    def forward(self, seq_ids: Sequence[int], extra: Sequence[Sequence[int]], num_logits: Sequence[int]
+                ) -> torch.Tensor:  # [B, max(num_logits), V] float; row b valid in [:num_logits[b]]
+        """Feed each row's uncached part of ``tokens + extra`` and return logits at its last n positions."""
+        t0 = time.perf_counter()
+        B = len(seq_ids)
+        states = [self.seqs[s] for s in seq_ids]
+        feeds, starts = [], []
+        for state, more, n in zip(states, extra, num_logits):
+            full_len = len(state.tokens) + len(more)
+            if full_len > self.max_len:
+                raise SequenceTooLong(f"{full_len} tokens exceed max_len {self.max_len}")
+            begin = state.valid
+            if begin == len(state.tokens):  # also reuse drafts this runner fed itself earlier in the step
+                j = 0
+                while j < len(more) and begin < len(state.cached) and state.cached[begin] == more[j]:
+                    begin, j = begin + 1, j + 1
+            begin = min(begin, full_len - n)
+            if begin < len(state.tokens):
+                feed = state.tokens[begin:] + list(more)
+            else:
+                feed = list(more[begin - len(state.tokens):])
+            feeds.append(feed)
+            starts.append(begin)
+            del state.cached[begin:]
+            state.cached.extend(feed)
+            state.valid = len(state.tokens)
+
+        T = max(len(f) for f in feeds)
+        N = max(num_logits)
+        ids = torch.zeros((B, T), dtype=torch.long)
+        logit_index = torch.zeros((B, N), dtype=torch.long)
+        for b, (feed, n) in enumerate(zip(feeds, num_logits)):
+            ids[b, : len(feed)] = torch.tensor(feed, dtype=torch.long)
+            logit_index[b, :n] = torch.arange(len(feed) - n, len(feed))
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
+        kv_len = min(self.max_len, -(-int((start + lengths).max()) // self.kv_bucket) * self.kv_bucket)
+
+        # Sort rows by slot so that a contiguous run of slots is read as a view instead of gathered.
+        order = torch.argsort(slots)
+        sorted_slots = slots[order]
+        first = int(sorted_slots[0])
+        contiguous = first if int(sorted_slots[-1]) - first == B - 1 else None
+        dev = self.device
+        logits = fwd.forward(self.model, self.pool, self.windows, sorted_slots.to(dev), start[order].to(dev),
+                             ids[order].to(dev), lengths[order].to(dev), logit_index[order].to(dev), kv_len,
+                             contiguous)
+        out = torch.empty_like(logits)
+        out[order.to(dev)] = logits
+        self.stats.calls += 1
+        self.stats.tokens_fed += int(lengths.sum())
+        self.stats.seconds += time.perf_counter() - t0
+        return out
