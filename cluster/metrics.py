@@ -20,12 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PREFIX = "specserve_"
-
 DRAFTS = "specserve_drafts"
 DRAFT_TOKENS = "specserve_draft_tokens"
 ACCEPTED_TOKENS = "specserve_accepted_tokens"
 EMITTED_TOKENS = "specserve_emitted_tokens"
+DRAFT_TOKENS_BY_POSITION = "specserve_draft_tokens_by_position"
 ACCEPTED_BY_POSITION = "specserve_accepted_tokens_by_position"
 STEP_LATENCY = "specserve_step_latency_seconds"
 FALLBACKS = "specserve_fallbacks"
@@ -42,7 +41,7 @@ FALLBACK_REASONS = ("draft_died", "draft_timeout", "draft_garbage")
 REQUEST_STATUSES = ("ok", "error", "timeout", "rejected", "cancelled")
 CANCEL_PHASES = ("queued", "running")
 KV_MODELS = ("target", "draft")
-# Tag values of ACCEPTED_BY_POSITION: "0" … "15" (the γ hard cap is 16; Ray tag values are strings).
+# Tag values of the *_BY_POSITION counters: "0" … "15" (the γ hard cap is 16; Ray tag values are strings).
 POSITIONS = tuple(str(i) for i in range(16))
 
 # Seconds. A verify step of a 6–8B target on an H200 is ~3 ms and a compiled-graph hop ~0.1 ms, so
@@ -80,10 +79,16 @@ METRICS: dict[str, MetricSpec] = {
             "per verify step.",
         ),
         MetricSpec(
+            DRAFT_TOKENS_BY_POSITION,
+            "counter",
+            "Draft tokens proposed at each chain position (0 = first draft token).",
+            tag_keys=("position",),
+        ),
+        MetricSpec(
             ACCEPTED_BY_POSITION,
             "counter",
-            "Draft tokens accepted at each chain position (0 = first draft token); divided by "
-            f"{DRAFT_TOKENS} per position it gives the per-position acceptance.",
+            "Draft tokens accepted at each chain position; divided by "
+            f"{DRAFT_TOKENS_BY_POSITION} it gives the per-position acceptance.",
             tag_keys=("position",),
         ),
         MetricSpec(
@@ -114,7 +119,7 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             ACCEPTANCE_RATE,
             "gauge",
-            "Accepted / proposed draft tokens over the router's recent window (the value adaptive γ "
+            "Accepted / proposed draft tokens over the router's recent window (the value adaptive gamma "
             "and dynamic threshold adjustment react to).",
         ),
         MetricSpec(

@@ -47,6 +47,7 @@ class Sequence:
     gamma_state: GammaState = field(default_factory=GammaState)
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    failures: int = 0  # consecutive verify steps that could not run for this sequence
     text: str | None = None  # output text cut at a stop string, when one matched
 
     @property
@@ -58,7 +59,7 @@ class Sequence:
 class StepEvent:
     seq_id: int
     new_tokens: tuple[int, ...]
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | None while running
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None while running
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,12 @@ class Done:
 
 
 class Stages(Protocol):
-    def submit_propose(self, items: Seq[ProposeItem]) -> Pending: ...
+    def submit_propose(self, items: Seq[ProposeItem], shard: int) -> Pending:
+        """Start drafting; ``shard`` (the micro-batch) lets a remote pool keep a group on one replica."""
 
-    def submit_verify(self, items: Seq[VerifyItem], proposal: ProposalBatch) -> Pending: ...
+    def submit_verify(self, items: Seq[VerifyItem], proposal: ProposalBatch, shard: int) -> Pending: ...
 
-    def release(self, seq_ids: Seq[int]) -> None: ...
+    def release(self, seq_ids: Seq[int], shard: int) -> None: ...
 
 
 class LocalStages:
@@ -100,15 +102,15 @@ class LocalStages:
         self.verifier = verifier
         self.proposer = proposer
 
-    def submit_propose(self, items):
+    def submit_propose(self, items, shard=0):
         if self.proposer is None:
             return Done(ProposalBatch.empty([it.sync.seq_id for it in items]))
         return Done(self.proposer.propose(items))
 
-    def submit_verify(self, items, proposal):
+    def submit_verify(self, items, proposal, shard=0):
         return Done(self.verifier.verify(items, proposal))
 
-    def release(self, seq_ids):
+    def release(self, seq_ids, shard=0):
         self.verifier.release(seq_ids)
         if self.proposer is not None:
             self.proposer.release(seq_ids)
@@ -117,7 +119,8 @@ class LocalStages:
 class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
-                 detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True):
+                 detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
+                 max_failures: int = 3):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -126,6 +129,7 @@ class Engine:
         self.micro_batches = max(1, micro_batches)
         self.detokenize = detokenize
         self.speculate = speculate
+        self.max_failures = max_failures
         self.running: dict[int, Sequence] = {}
         self.finished: dict[int, Sequence] = {}  # until collected with ``output``
         self.waiting: list[Sequence] = []
@@ -134,6 +138,7 @@ class Engine:
         self._next_id = 0
         self._turn = 0
         self._pending: dict[int, tuple[Pending, list[int]]] = {}  # micro-batch → in-flight proposal
+        self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -173,24 +178,28 @@ class Engine:
         self._turn += 1
         batch = groups[k]
 
-        pending = self._pending.pop(k, None) or self._submit_propose(batch)
+        pending = self._pending.pop(k, None) or self._submit_propose(k, batch)
+        t0 = time.perf_counter()
         proposal: ProposalBatch = pending[0].result()
-        verify = self.stages.submit_verify(self._verify_items(batch), proposal)
+        waited = time.perf_counter() - t0
+        verify = self.stages.submit_verify(self._verify_items(batch), proposal, k)
         following = sorted(groups)[self._turn % len(groups)]
         if following != k and following not in self._pending:
-            self._pending[following] = self._submit_propose(groups[following])  # drafts while we verify
+            self._pending[following] = self._submit_propose(following, groups[following])  # drafts meanwhile
+        t0 = time.perf_counter()
         outcome: VerifyOutcome = verify.result()
+        self.last_step_wait = waited + time.perf_counter() - t0
         events.extend(self._commit(batch, proposal, outcome))
         return events
 
-    def _submit_propose(self, batch: list[Sequence]) -> tuple[Pending, list[int]]:
+    def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int]]:
         items = []
         for seq in batch:
             gamma = self._gamma(seq)
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)
-        return self.stages.submit_propose(items), [seq.seq_id for seq in batch]
+        return self.stages.submit_propose(items, shard), [seq.seq_id for seq in batch]
 
     def _gamma(self, seq: Sequence) -> int:
         if not self.speculate:
@@ -220,8 +229,16 @@ class Engine:
             if seq is None:
                 continue
             if seq_id in outcome.resync:
+                # The verifier lost this sequence (restart, rebuild): re-prefill from the committed
+                # tokens next turn — or give up explicitly if that keeps failing.
                 seq.verifier_base = 0
+                seq.failures += 1
+                if seq.failures > self.max_failures:
+                    seq.finish_reason = "error"
+                    events.append(StepEvent(seq_id, (), "error"))
+                    self._finish(seq)
                 continue
+            seq.failures = 0
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
             self.policy.observe(seq.gamma_state, proposed, accepted)
             new = self._append(seq, emitted)
@@ -263,7 +280,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self.running.pop(seq.seq_id, None)
-        self.stages.release([seq.seq_id])
+        self.stages.release([seq.seq_id], seq.micro_batch)
         self.finished[seq.seq_id] = seq
 
     # -- membership ------------------------------------------------------------------------------------

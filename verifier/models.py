@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -71,12 +69,6 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-@dataclass(frozen=True)
-class VocabInfo:
-    vocab_size: int  # rows of the LM head
-    tokenizer_vocab: dict | None  # token string → id, when a tokenizer is present
-
-
 def check_vocab_compatible(target_path: str, draft_path: str) -> None:
     """The draft's ids must mean the same tokens as the target's, or its proposals are noise."""
     t, d = read_model_config(target_path), read_model_config(draft_path)
@@ -133,3 +125,43 @@ def noisy_copy(model, noise: float, seed: int):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
     return draft.eval()
+
+
+def build_model(spec, device: str | None = "auto", dtype: str = "auto"):
+    """A model from a serialisable spec, so Ray workers can each build their own copy.
+
+    ``spec`` is a local HF folder path, ``{"path": folder, "dtype": ...}``, or ``{"tiny": {...kwargs of
+    tiny_llama}, "noise": float, "noise_seed": int}`` (a tiny model from config; with ``noise``, a noisy
+    copy of it — the tests' in-between draft).
+    """
+    if isinstance(spec, str):
+        spec = {"path": spec}
+    if "path" in spec:
+        return load_causal_lm(spec["path"], spec.get("dtype", dtype), device)
+    model = tiny_llama(**spec["tiny"])
+    if spec.get("noise"):
+        model = noisy_copy(model, spec["noise"], spec.get("noise_seed", 1))
+    return model.to(resolve_device(device))
+
+
+BUILTIN_TINY = "builtin:tiny"
+# A tiny pair built from config (no files): the target, and a draft that is a slightly noisy copy of it,
+# so acceptance sits in between. For tests and smoke runs; it has no tokenizer (token ids only).
+TINY_TARGET = {"seed": 0, "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+               "num_kv_heads": 2, "intermediate_size": 128, "max_position_embeddings": 2048}
+TINY_DRAFT_NOISE = 0.05
+
+
+def resolve_spec(path: str, role: str, dtype: str = "auto"):
+    """Model spec for a config path: ``builtin:tiny`` (target, or its noisy copy as draft) or a folder."""
+    if path == BUILTIN_TINY:
+        return {"tiny": dict(TINY_TARGET), **({"noise": TINY_DRAFT_NOISE, "noise_seed": 1} if role == "draft" else {})}
+    return {"path": path, "dtype": dtype}
+
+
+def spec_vocab_size(spec) -> int:
+    """Vocabulary size of a model spec without building the model."""
+    if isinstance(spec, dict) and "tiny" in spec:
+        return spec["tiny"].get("vocab_size", 96)
+    path = spec if isinstance(spec, str) else spec["path"]
+    return int(read_model_config(path)["vocab_size"])

@@ -49,9 +49,10 @@ def rejection_sample(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1)
-    # u < p/q written as u*q < p: no division, and q = 0 (a draft token outside its own support, i.e. a
-    # broken proposer) can never be accepted unless p = 0 too, which the strict inequality also rejects.
-    accepted = (uniform * q_draft < p_draft) & valid  # [B, G]
+    # u < p/q written as u*q < p: no division. A token with q = 0 lies outside its own proposal's support
+    # (a broken proposer, or a sparse q that dropped it); u*q < p alone would accept it whenever p > 0, so
+    # it is rejected explicitly.
+    accepted = (uniform * q_draft < p_draft) & (q_draft > 0) & valid  # [B, G]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
 
     # Distribution of the token emitted after the accepted prefix.

@@ -30,6 +30,7 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)  # committed tokens this stage holds
     cached: list[int] = field(default_factory=list)  # tokens whose K/V sit in the slot, in order
     valid: int = 0  # leading positions where cached == tokens
+    last_used: int = 0  # forward tick of the last use, for LRU eviction
 
 
 @dataclass
@@ -55,6 +56,8 @@ class ModelRunner:
         self.pool.max_len = max_len  # reads never reach the scratch column
         self.seqs: dict[int, SequenceState] = {}
         self.stats = ForwardStats()
+        self.tick = 0  # forward calls so far
+        self.evictions = 0
 
     # -- sequence bookkeeping ------------------------------------------------------------------------
 
@@ -64,11 +67,12 @@ class ModelRunner:
         if state is None:
             if item.base != 0:
                 return False
-            state = self.seqs[item.seq_id] = SequenceState(slot=self.pool.allocate())
+            state = self.seqs[item.seq_id] = SequenceState(slot=self._allocate())
         elif len(state.tokens) < item.base:
             return False
         if item.base + len(item.tokens) > self.max_len:
             raise SequenceTooLong(f"sequence {item.seq_id} would exceed max_len {self.max_len}")
+        state.last_used = self.tick + 1  # in the coming forward: not evictable until it has run
         del state.tokens[item.base:]
         state.tokens.extend(item.tokens)
         state.valid = min(state.valid, item.base)
@@ -77,6 +81,20 @@ class ModelRunner:
         while state.valid < limit and state.cached[state.valid] == state.tokens[state.valid]:
             state.valid += 1
         return True
+
+    def _allocate(self) -> int:
+        """A free slot; when none is left, evict the least recently used sequence not in the coming forward.
+
+        Only orphans should ever be evicted — sequences whose release was lost, or that moved to another
+        replica after a failure; a live sequence that is evicted anyway is merely re-prefilled (resync).
+        """
+        if self.pool.slots_in_use == self.pool.num_slots:
+            idle = [s for s in self.seqs.items() if s[1].last_used <= self.tick]
+            if idle:
+                victim = min(idle, key=lambda kv: kv[1].last_used)[0]
+                self.release([victim])
+                self.evictions += 1
+        return self.pool.allocate()
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
@@ -139,6 +157,7 @@ class ModelRunner:
                              contiguous)
         out = torch.empty_like(logits)
         out[order.to(dev)] = logits
+        self.tick += 1
         self.stats.calls += 1
         self.stats.tokens_fed += int(lengths.sum())
         self.stats.seconds += time.perf_counter() - t0

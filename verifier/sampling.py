@@ -41,7 +41,10 @@ def warp_probs(
         # crosses the line is kept, as in HF's TopPLogitsWarper).
         sorted_probs = sorted_x.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop = mass_before >= p.view(-1, 1, 1)
+        # Rows with top_p = 1 (off) sit in this branch when another row needs the sort; excluding them
+        # explicitly matters because the cumulative sum can round up to 1.0 before the last tokens,
+        # which would silently cut their tail and make a row's distribution depend on its batch.
+        drop = (mass_before >= p.view(-1, 1, 1)) & (p < 1).view(-1, 1, 1)
         drop[..., 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)

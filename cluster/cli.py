@@ -1,0 +1,133 @@
+"""The ``specserve`` console script.
+
+    specserve generate --prompt "Convert to JSON: name Ada, age 36\\n{"      # embedded default pair
+    specserve generate --target DIR --draft DIR|ngram|none --prompt ... --gamma 4 --fixed-gamma
+    specserve serve [--config cluster/examples/local.yaml]                   # Ray Serve app, HTTP + handles
+    specserve bench scenarios ...                                            # scripts/bench_scenarios.py
+
+Heavy imports happen inside the subcommands so ``specserve --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO_ROOT / "models" / "default" / "target"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "default" / "draft"
+
+
+def _model_arg(value: str):
+    if value in ("none", "None"):
+        return None
+    if value == "ngram":
+        return "ngram"
+    return value
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from verifier.factory import EngineSettings, make_engine
+    from verifier.models import load_tokenizer
+    from verifier.protocol import SamplingParams
+    from verifier.engine import Request
+
+    tokenizer = load_tokenizer(args.target)
+    settings = EngineSettings(target=args.target, draft=_model_arg(args.draft), device=args.device,
+                              dtype=args.dtype, max_len=args.max_len, max_slots=max(1, len(args.prompt)),
+                              gamma=args.gamma, gamma_max=max(args.gamma, args.gamma_max),
+                              adaptive=not args.fixed_gamma)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    engine = make_engine(settings, eos_token_ids=eos,
+                         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    requests = [Request(tuple(tokenizer(p)["input_ids"]), max_tokens=args.max_tokens, sampling=sampling,
+                        stop=tuple(args.stop)) for p in args.prompt]
+    t0 = time.perf_counter()
+    outputs = engine.generate(requests)
+    seconds = time.perf_counter() - t0
+    for prompt, out in zip(args.prompt, outputs):
+        text = out.text if out.text is not None else tokenizer.decode(out.tokens, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": text, "finish_reason": out.finish_reason,
+                              "stats": out.stats.as_dict()}))
+        else:
+            print(f"--- prompt: {prompt!r}\n{prompt}{text}\n--- finish: {out.finish_reason}; "
+                  f"{_stats_line(out.stats)}")
+    total = engine.stats
+    print(f"=== {sum(len(o.tokens) for o in outputs)} tokens in {seconds:.2f} s "
+          f"({sum(len(o.tokens) for o in outputs) / seconds:.1f} tok/s); {_stats_line(total)}", file=sys.stderr)
+    return 0
+
+
+def _stats_line(stats) -> str:
+    return (f"steps {stats.steps}, acceptance rate {stats.acceptance_rate:.3f}, "
+            f"acceptance length {stats.acceptance_length:.2f}, mean gamma {stats.mean_gamma:.2f}, "
+            f"alpha {stats.alpha:.3f}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deployments.launch import serve_forever
+
+    return serve_forever(config_path=args.config, host=args.host, port=args.port)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    script = REPO_ROOT / "scripts" / f"bench_{args.which}.py"
+    if not script.is_file():
+        print(f"no benchmark named {args.which!r} (looked for {script})", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text in-process (no Ray) and print statistics")
+    gen.add_argument("--target", default=str(DEFAULT_TARGET), help="local HF folder of the target")
+    gen.add_argument("--draft", default=str(DEFAULT_DRAFT), help="local HF folder of the draft, 'ngram' or 'none'")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--gamma", type=int, default=4, help="draft length (start value when adaptive)")
+    gen.add_argument("--gamma-max", type=int, default=8)
+    gen.add_argument("--fixed-gamma", action="store_true", help="disable the adaptive draft length policy")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--max-len", type=int, default=1024, help="context length (prompt + output)")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="start a local Ray cluster and serve the app (HTTP + Serve handles)")
+    srv.add_argument("--config", default=None, help="ClusterConfig YAML (default: the embedded default pair)")
+    srv.add_argument("--host", default=None, help="HTTP host (default from config: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="HTTP port (default from config: 8000)")
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="run a benchmark script from scripts/ (bench_<name>.py)")
+    bench.add_argument("which", help="benchmark name, e.g. scenarios, step_overhead, gpu")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

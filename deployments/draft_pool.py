@@ -1,0 +1,51 @@
+"""The draft pool: N replicas, each a draft model (or n-gram table) with per-sequence draft KV caches.
+
+Replicas are interchangeable caches: a sequence is drafted wherever its micro-batch's shard key routes
+(Serve multiplexing keeps a key on one replica while it lives), and a replica that has never seen a
+sequence, or lost it, answers ``resync`` and is sent the whole history. So scaling down or losing a
+replica drops no request; its sequences are re-prefilled elsewhere. Placement (GPU fraction,
+``accelerator_type``, custom resources) comes from ``draft_pool`` in the config via ``ray_actor_options``.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from cluster import wire
+from cluster.config import ClusterConfig
+from deployments.metrics import SlotGauge
+from deployments.settings import engine_settings, wire_limits
+from deployments.stage_host import StageHost
+from verifier.factory import make_proposer
+
+
+@serve.deployment(name="DraftPool")
+class DraftPool(StageHost):
+    def __init__(self, args: dict, *, proposer_factory=None):
+        cfg = ClusterConfig.from_dict(args)
+        self._init_host(wire_limits(cfg))
+        settings = engine_settings(cfg, max_slots=cfg.draft_pool.max_batch_size * max(1, cfg.router.micro_batches))
+        self.proposer = (proposer_factory or make_proposer)(settings)
+        runner = getattr(self.proposer, "runner", None)
+        self._slots = SlotGauge("draft") if runner is not None else None
+
+    @serve.multiplexed(max_num_models_per_replica=1024)
+    async def _shard(self, shard: str) -> str:
+        return shard  # nothing to load: the key only makes Serve route a micro-batch back here
+
+    async def propose(self, frame: bytes) -> bytes:
+        await self._shard(serve.get_multiplexed_model_id())
+        items = wire.decode_propose(frame, self.limits)
+        batch = await self._run(self.proposer.propose, items)
+        if self._slots is not None:
+            self._slots.set(self.proposer.runner.pool.slots_in_use)
+        return wire.encode_proposal(batch)
+
+    async def release(self, frame: bytes) -> None:
+        release = wire.decode_release(frame, self.limits)
+        await self._run(self.proposer.release, list(release.seq_ids))
+
+    async def stats(self) -> dict:
+        runner = getattr(self.proposer, "runner", None)
+        return {"calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else 0,
+                "sequences": len(runner.seqs) if runner else len(getattr(self.proposer, "histories", {}))}

@@ -1,0 +1,83 @@
+"""The verifier deployment: one replica per data-parallel verifier group, hosting the target.
+
+With ``tensor_parallel`` 1 the replica runs the verify stage itself; with more, it drives a
+``VerifierGroup`` of tensor-parallel rank actors as one logical verifier. With draft placement
+``colocated`` the replica also hosts the draft proposer and serves ``propose``, so batch-1 latency pays
+no draft hop at all. Micro-batch shard keys (Serve multiplexing) keep a sequence on one group, whose
+KV cache holds it; a group that restarted answers ``resync`` and the router re-prefills it.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from cluster import wire
+from cluster.config import ClusterConfig
+from deployments.metrics import SlotGauge
+from deployments.settings import engine_settings, wire_limits
+from deployments.stage_host import StageHost
+from verifier.factory import EngineSettings, make_proposer
+from verifier.models import build_model
+from verifier.runner import ModelRunner
+from verifier.verify import VerifyStage
+
+
+def local_verify_stage(settings: EngineSettings, cfg: ClusterConfig):
+    model = build_model(settings.target, settings.device, settings.dtype)
+    return VerifyStage(ModelRunner(model, max_slots=settings.max_slots, max_len=settings.max_len),
+                       settings.acceptance)
+
+
+def group_verify_stage(settings: EngineSettings, cfg: ClusterConfig):
+    from deployments.verifier_group import VerifierGroup
+
+    return VerifierGroup.from_config(settings, cfg)
+
+
+@serve.deployment(name="Verifier")
+class Verifier(StageHost):
+    def __init__(self, args: dict, *, stage_factory=None, proposer_factory=None):
+        cfg = ClusterConfig.from_dict(args)
+        self._init_host(wire_limits(cfg))
+        settings = engine_settings(cfg)
+        factory = stage_factory or (group_verify_stage if cfg.target.tensor_parallel > 1 else local_verify_stage)
+        self.stage = factory(settings, cfg)
+        colocated = cfg.draft_pool.placement == "colocated" and settings.draft is not None
+        self.proposer = (proposer_factory or make_proposer)(settings) if colocated else None
+        self._slots = SlotGauge("target")
+
+    @serve.multiplexed(max_num_models_per_replica=1024)
+    async def _shard(self, shard: str) -> str:
+        return shard
+
+    async def verify(self, frame: bytes) -> bytes:
+        await self._shard(serve.get_multiplexed_model_id())
+        items, proposal = wire.decode_verify(frame, self.limits)
+        outcome = await self._run(self.stage.verify, items, proposal)
+        runner = getattr(self.stage, "runner", None)
+        if runner is not None:
+            self._slots.set(runner.pool.slots_in_use)
+        return wire.encode_outcome(outcome)
+
+    async def propose(self, frame: bytes) -> bytes:
+        if self.proposer is None:
+            raise RuntimeError("this verifier hosts no draft (draft_pool.placement is not 'colocated')")
+        await self._shard(serve.get_multiplexed_model_id())
+        items = wire.decode_propose(frame, self.limits)
+        return wire.encode_proposal(await self._run(self.proposer.propose, items))
+
+    async def release(self, frame: bytes) -> None:
+        seq_ids = list(wire.decode_release(frame, self.limits).seq_ids)
+        await self._run(self.stage.release, seq_ids)
+        if self.proposer is not None:
+            await self._run(self.proposer.release, seq_ids)
+
+    async def stats(self) -> dict:
+        runner = getattr(self.stage, "runner", None)
+        return {"calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else None,
+                "sequences": len(runner.seqs) if runner else None}
+
+    def check_health(self) -> None:
+        health = getattr(self.stage, "health", None)
+        if health is not None:
+            health()  # a tensor-parallel group raises when a rank is gone (Serve then restarts us)

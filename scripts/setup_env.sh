@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent environment set-up: a virtualenv in .venv with torch, deepspeed and specserve (editable).
+#
+# torch: on a machine without an NVIDIA driver this pins the 2.13.0 CPU wheel (a bare `torch` requirement
+# would pull a multi-GB CUDA build); a machine with a driver keeps or gets a CUDA build. Override with
+# SPECSERVE_TORCH="torch==X" if you need another build. deepspeed's setup.py imports torch, so it is
+# installed without build isolation (otherwise pip would fetch a second, CUDA torch into its build env).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${SPECSERVE_VENV:-.venv}
+PY="$VENV/bin/python"
+[ -x "$PY" ] || python3 -m venv "$VENV"
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+stamp="$VENV/.specserve-setup"
+want=$( (cat pyproject.toml scripts/setup_env.sh; echo "${SPECSERVE_TORCH:-}") | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import torch, ray, deepspeed, verifier.engine" 2>/dev/null; then
+  exit 0
+fi
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if [ -n "${SPECSERVE_TORCH:-}" ]; then
+    torch_spec=$SPECSERVE_TORCH
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    torch_spec="torch>=2.5"
+  else
+    torch_spec="torch==2.13.0"
+  fi
+  echo "[setup] installing $torch_spec"
+  pip_q "$torch_spec"
+fi
+if ! "$PY" -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed (no build isolation, no prebuilt ops)"
+  pip_q setuptools wheel
+  DS_BUILD_OPS=0 pip_q --no-build-isolation deepspeed
+fi
+echo "[setup] installing specserve and test extras"
+pip_q -e ".[test]"
+"$PY" -c "import torch, ray, deepspeed, transformers, msgpack, cluster, verifier" >/dev/null
+echo "$want" > "$stamp"

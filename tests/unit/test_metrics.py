@@ -1,0 +1,39 @@
+"""cluster.metrics: every entry is something ray.util.metrics will accept and dashboards can rely on."""
+
+from __future__ import annotations
+
+import re
+
+from cluster import metrics
+
+
+def test_metric_specs_are_well_formed() -> None:
+    assert len(metrics.METRICS) == 14
+    for name, spec in metrics.METRICS.items():
+        assert name == spec.name and re.fullmatch(r"specserve_[a-z_]+", name)
+        assert not name.endswith("_total"), "Ray's exporter adds _total to counters"
+        assert spec.description and spec.kind in ("counter", "gauge", "histogram")
+        if spec.kind == "histogram":
+            bounds = spec.boundaries
+            assert bounds and all(b > 0 for b in bounds) and list(bounds) == sorted(set(bounds))
+        else:
+            assert spec.boundaries == ()
+
+
+def test_tag_keys() -> None:
+    tags = {name: spec.tag_keys for name, spec in metrics.METRICS.items() if spec.tag_keys}
+    assert tags == {
+        metrics.DRAFT_TOKENS_BY_POSITION: ("position",),
+        metrics.ACCEPTED_BY_POSITION: ("position",),
+        metrics.STEP_LATENCY: ("stage",),
+        metrics.FALLBACKS: ("reason",),
+        metrics.REQUESTS: ("status",),
+        metrics.REQUESTS_CANCELLED: ("phase",),
+        metrics.KV_SLOTS_IN_USE: ("model",),
+    }
+
+
+def test_descriptions_are_ascii():
+    # Ray's metric exporter encodes descriptions as ASCII and raises on anything else at replica start.
+    for spec in METRICS.values():
+        spec.description.encode("ascii")

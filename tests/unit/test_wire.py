@@ -1,0 +1,426 @@
+"""cluster.wire: round trips of every message, and hostile frames that must raise WireError only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster import wire
+from cluster.wire import Release, WireError, WireLimits
+from verifier.protocol import (
+    GREEDY,
+    ProposalBatch,
+    ProposeItem,
+    SamplingParams,
+    SyncItem,
+    VerifyItem,
+    VerifyOutcome,
+)
+
+LIMITS = WireLimits(vocab_size=100, gamma_max=8, max_batch=16, max_seq_len=256)
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1)
+
+
+def propose_items() -> list[ProposeItem]:
+    return [
+        ProposeItem(SyncItem(seq_id=7, base=0, tokens=(1, 2, 3, 99)), gamma=4),
+        ProposeItem(SyncItem(seq_id=2**40, base=12, tokens=(5,)), gamma=8, sampling=SAMPLED),
+        ProposeItem(SyncItem(seq_id=0, base=3, tokens=()), gamma=0, sampling=SamplingParams(1.0, seed=-5)),
+    ]
+
+
+def greedy_proposal() -> ProposalBatch:
+    return ProposalBatch(
+        seq_ids=[7, 2**40, 0],
+        tokens=torch.tensor([[4, 5, 6], [7, 0, 0], [0, 0, 0]]),  # [B=3, G=3]
+        lengths=torch.tensor([3, 1, 0]),
+        resync=[0],
+        draft_seconds=0.0123,
+    )
+
+
+def sampled_proposal() -> ProposalBatch:
+    tokens = torch.tensor([[4, 5], [7, 0]])  # [B=2, G=2]
+    q_ids = torch.tensor([[[4, 9, 1], [5, 2, 3]], [[8, 7, 6], [0, 0, 0]]])  # [B, G, K=3]
+    q_probs = torch.tensor([[[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]], [[0.1, 0.6, 0.2], [0.0, 0.0, 0.0]]])
+    return ProposalBatch(
+        seq_ids=[3, 1], tokens=tokens, lengths=torch.tensor([2, 1]), q_ids=q_ids, q_probs=q_probs
+    )
+
+
+def outcome() -> VerifyOutcome:
+    return VerifyOutcome(
+        seq_ids=[7, 2**40, 0],
+        emitted=[[4, 5, 6, 11], [42], []],
+        num_accepted=[3, 0, 0],
+        num_proposed=[3, 1, 0],
+        resync=[0],
+        verify_seconds=0.5,
+    )
+
+
+def assert_same_batch(a: ProposalBatch, b: ProposalBatch) -> None:
+    assert a.seq_ids == b.seq_ids and a.resync == b.resync
+    assert math.isclose(a.draft_seconds, b.draft_seconds)
+    assert b.tokens.dtype == b.lengths.dtype == torch.int64
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    assert (a.q_ids is None) == (b.q_ids is None)
+    if a.q_ids is not None:
+        assert b.q_ids.dtype == torch.int64 and b.q_probs.dtype == torch.float32
+        assert torch.equal(a.q_ids, b.q_ids) and torch.equal(a.q_probs, b.q_probs)
+
+
+# ---- round trips -------------------------------------------------------------------------------
+
+
+def test_propose_round_trip() -> None:
+    items = propose_items()
+    assert wire.decode_propose(wire.encode_propose(items), LIMITS) == items
+
+
+def test_empty_batches_round_trip() -> None:
+    assert wire.decode_propose(wire.encode_propose([]), LIMITS) == []
+    empty = ProposalBatch.empty([])
+    assert_same_batch(empty, wire.decode_proposal(wire.encode_proposal(empty), LIMITS))
+    items, proposal = wire.decode_verify(wire.encode_verify([], empty), LIMITS)
+    assert items == [] and proposal.seq_ids == []
+    nothing = VerifyOutcome(seq_ids=[], emitted=[], num_accepted=[], num_proposed=[])
+    assert wire.decode_outcome(wire.encode_outcome(nothing), LIMITS) == nothing
+    assert wire.decode_release(wire.encode_release(Release(())), LIMITS) == Release(())
+
+
+@pytest.mark.parametrize("make", [greedy_proposal, sampled_proposal, lambda: ProposalBatch.empty([4, 5], resync=[5])])
+def test_proposal_round_trip(make: Callable[[], ProposalBatch]) -> None:
+    batch = make()
+    decoded = wire.decode_proposal(wire.encode_proposal(batch), LIMITS)
+    assert_same_batch(batch, decoded)
+    decoded.tokens[0:1] = 0  # fresh tensors, not views of the frame
+
+
+def test_verify_round_trip() -> None:
+    items = [VerifyItem(SyncItem(3, 0, (1, 2)), SAMPLED), VerifyItem(SyncItem(1, 5, (9,)), GREEDY)]
+    got_items, got_proposal = wire.decode_verify(wire.encode_verify(items, sampled_proposal()), LIMITS)
+    assert got_items == items
+    assert_same_batch(sampled_proposal(), got_proposal)
+
+
+def test_outcome_and_release_round_trip() -> None:
+    assert wire.decode_outcome(wire.encode_outcome(outcome()), LIMITS) == outcome()
+    release = Release((1, 2, 2**62))
+    assert wire.decode_release(wire.encode_release(release), LIMITS) == release
+
+
+def test_encode_refuses_what_the_format_cannot_carry() -> None:
+    with pytest.raises(WireError, match="tokens"):
+        wire.encode_propose([ProposeItem(SyncItem(1, 0, (2**31,)), gamma=1)])  # would wrap in int32
+    bad = greedy_proposal()
+    bad.lengths = torch.tensor([1, 1])
+    with pytest.raises(WireError, match="lengths"):
+        wire.encode_proposal(bad)
+    with pytest.raises(WireError, match="q_ids"):
+        wire.encode_proposal(ProposalBatch([1], torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                           q_ids=torch.zeros(1, 1, 2, dtype=torch.long)))
+
+
+# ---- hostile frames ----------------------------------------------------------------------------
+
+
+def unpacked(data: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(data, raw=False)
+
+
+def repack(frame: Any) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def i32(*values: int) -> bytes:
+    return b"".join(v.to_bytes(4, "little", signed=True) for v in values)
+
+
+def f32(*values: float) -> bytes:
+    return torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+
+
+def f64(*values: float) -> bytes:
+    return torch.tensor(values, dtype=torch.float64).numpy().tobytes()
+
+
+def i64(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
+
+
+def propose_frame() -> dict[str, Any]:
+    return unpacked(wire.encode_propose(propose_items()))
+
+
+def proposal_frame() -> dict[str, Any]:
+    return unpacked(wire.encode_proposal(sampled_proposal()))
+
+
+def outcome_frame() -> dict[str, Any]:
+    return unpacked(wire.encode_outcome(outcome()))
+
+
+DECODERS = [wire.decode_propose, wire.decode_proposal, wire.decode_verify, wire.decode_outcome, wire.decode_release]
+VALID = {
+    "propose": wire.encode_propose(propose_items()),
+    "proposal": wire.encode_proposal(sampled_proposal()),
+    "greedy_proposal": wire.encode_proposal(greedy_proposal()),
+    "verify": wire.encode_verify([VerifyItem(SyncItem(3, 0, (1,)), SAMPLED), VerifyItem(SyncItem(1, 0, (2,)))],
+                                 sampled_proposal()),
+    "outcome": wire.encode_outcome(outcome()),
+    "release": wire.encode_release(Release((1, 2))),
+}
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_truncated_frames(name: str) -> None:
+    data = VALID[name]
+    decode = {"propose": wire.decode_propose, "verify": wire.decode_verify, "outcome": wire.decode_outcome,
+              "release": wire.decode_release}.get(name, wire.decode_proposal)
+    for cut in range(len(data)):
+        with pytest.raises(WireError):
+            decode(data[:cut], LIMITS)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        b"\x00" * 40,
+        bytes(range(256)),
+        repack([1, 2, 3]),
+        repack(None),
+        repack({1: 2}),  # non-str map key
+        repack({"v": 1, "kind": "propose", 5: b""}),
+        b"\x91" * 100_000 + b"\xc0",  # nested-array bomb
+        b"\x81\xa1a" * 50_000 + b"\xc0",  # nested-map bomb
+        b"\xdd\xff\xff\xff\xff",  # array claiming 4G items
+        b"\xdf\xff\xff\xff\xff",  # map claiming 4G pairs
+        b"\xc6\xff\xff\xff\xff",  # bin claiming 4 GB
+        repack(msgpack.ExtType(5, b"boom")),
+        repack({"v": 1, "kind": msgpack.ExtType(1, b"")}),
+        msgpack.packb(msgpack.Timestamp(1, 2)),
+        repack(propose_frame()) + b"\x00",  # trailing bytes
+        "not bytes",
+        12,
+    ],
+)
+def test_garbage_raises_wire_error(data: Any) -> None:
+    for decode in DECODERS:
+        with pytest.raises(WireError):
+            decode(data, LIMITS)
+
+
+def test_oversized_frame_refused_before_unpacking() -> None:
+    with pytest.raises(WireError, match="MAX_FRAME_BYTES"):
+        wire.decode_release(bytes(wire.MAX_FRAME_BYTES + 1), LIMITS)
+
+
+def tampered(frame: dict[str, Any], **changes: Any) -> bytes:
+    frame = dict(frame)
+    for key, value in changes.items():
+        if value is DROP:
+            del frame[key]
+        else:
+            frame[key] = value
+    return repack(frame)
+
+
+DROP = object()
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"v": 2}, "schema version"),
+        ({"v": True}, "schema version"),
+        ({"kind": "proposal"}, "expected a 'propose' frame"),
+        ({"extra": 1}, "unexpected"),
+        ({"gamma": DROP}, "missing"),
+        ({"tokens": i32(1, 2, 3, 100, 5)}, "outside"),  # id == vocab
+        ({"tokens": i32(1, 2, 3, -1, 5)}, "outside"),
+        ({"tokens": i32(1, 2, 3)}, "values, expected"),
+        ({"tokens": b"\x00\x00\x00"}, "whole number"),
+        ({"tokens": [1, 2, 3, 4, 5]}, "expected bytes"),
+        ({"gamma": i32(4, 9, 0)}, "gamma"),
+        ({"gamma": i32(4, -1, 0)}, "gamma"),
+        ({"seq_ids": i64(7, 7, 0)}, "duplicate"),
+        ({"seq_ids": i64(7, -3, 0)}, "seq_ids"),
+        ({"base": i32(0, -1, 3)}, "base"),
+        ({"base": i32(0, 256, 3)}, "base"),  # base + len(tokens) > max_seq_len
+        ({"temperature": f64(0.0, -0.5, 1.0)}, "temperature"),
+        ({"temperature": f64(0.0, math.nan, 1.0)}, "temperature"),
+        ({"temperature": f64(0.0, math.inf, 1.0)}, "temperature"),
+        ({"top_p": f64(1.0, 0.0, 1.0)}, "top_p"),
+        ({"top_p": f64(1.0, 1.5, 1.0)}, "top_p"),
+        ({"top_k": i32(0, -1, 0)}, "top_k"),
+        ({"seed": [None, 1.5, None]}, "seed"),
+        ({"seed": [None, None]}, "seed"),
+    ],
+)
+def test_bad_propose(changes: dict[str, Any], match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        wire.decode_propose(tampered(propose_frame(), **changes), LIMITS)
+
+
+def test_batch_over_max_batch() -> None:
+    items = [ProposeItem(SyncItem(i, 0, (1,)), gamma=1) for i in range(LIMITS.max_batch + 1)]
+    with pytest.raises(WireError, match="max_batch"):
+        wire.decode_propose(wire.encode_propose(items), LIMITS)
+
+
+def q_with(**changes: Any) -> dict[str, Any]:
+    q = dict(proposal_frame()["q"])
+    q.update(changes)
+    return q
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"shape": [2, 9]}, "chain length"),  # G > gamma_max
+        ({"shape": [3, 2]}, "shape"),
+        ({"shape": [2]}, "shape"),
+        ({"shape": [2, True]}, "shape"),
+        ({"tokens": i32(4, 5, 7)}, "values, expected"),
+        ({"tokens": i32(4, 5, 7, 100)}, "outside"),
+        ({"lengths": i32(3, 1)}, "lengths"),
+        ({"lengths": i32(2, -1)}, "lengths"),
+        ({"resync": i64(9)}, "resync"),
+        ({"resync": i64(3)}, "resync row carries draft tokens"),
+        ({"resync": i64(1, 1)}, "duplicate"),
+        ({"draft_seconds": math.nan}, "draft_seconds"),
+        ({"draft_seconds": -1.0}, "draft_seconds"),
+        ({"draft_seconds": "fast"}, "draft_seconds"),
+        ({"q": q_with(k=0)}, "q.k"),
+        ({"q": q_with(k=4)}, "values, expected"),
+        ({"q": q_with(extra=1)}, "unexpected"),
+        ({"q": [1, 2]}, "expected a map"),
+        ({"q": q_with(ids=i32(4, 9, 1, 5, 2, 3, 8, 7, 6, 0, 0, 100))}, "outside"),
+        ({"q": q_with(ids=i32(4, 9, 1, 5, 2, 3, 8, 7, 6, 0, 0, -1))}, "outside"),
+        ({"q": q_with(probs=f32(0.5, 0.25, 0.25, 1, 0, 0, 0.1, 0.6, 0.2, 0, 0, math.nan))}, "finite"),
+        ({"q": q_with(probs=f32(0.5, 0.25, 0.25, 1, 0, 0, 0.1, 0.6, 0.2, 0, 0, math.inf))}, "finite"),
+        ({"q": q_with(probs=f32(0.5, 0.25, 0.25, 1, 0, 0, 0.1, 0.6, 0.2, 0, 0, -0.1))}, "finite"),
+        ({"q": q_with(probs=f32(0.5, 0.25, 0.25, 1, 0, 0, 0.1, 0.6, 0.2, 0, 0, 1.5))}, "finite"),
+        ({"q": q_with(probs=f32(0.5, 0.5, 0.25, 1, 0, 0, 0.1, 0.6, 0.2, 0, 0, 0))}, "sum"),
+        ({"q": q_with(probs=f32(0.5, 0.25, 0.25, 1, 0, 0, 0.1, 0.0, 0.2, 0, 0, 0))}, "no mass"),
+        ({"q": q_with(ids=i32(4, 9, 1, 6, 2, 3, 8, 7, 6, 0, 0, 0))}, "no mass"),
+        ({"q": q_with(probs=f32(0.5, 0.25))}, "values, expected"),
+    ],
+)
+def test_bad_proposal(changes: dict[str, Any], match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        wire.decode_proposal(tampered(proposal_frame(), **changes), LIMITS)
+
+
+def test_bad_verify() -> None:
+    items = [VerifyItem(SyncItem(3, 0, (1,)), SAMPLED), VerifyItem(SyncItem(1, 0, (2,)))]
+    misaligned = [items[1], items[0]]
+    with pytest.raises(WireError, match="same order"):
+        wire.decode_verify(wire.encode_verify(misaligned, sampled_proposal()), LIMITS)
+    no_q = sampled_proposal()
+    no_q.q_ids = no_q.q_probs = None
+    with pytest.raises(WireError, match="no q"):
+        wire.decode_verify(wire.encode_verify(items, no_q), LIMITS)
+    frame = unpacked(VALID["verify"])
+    with pytest.raises(WireError, match="verify.items"):
+        wire.decode_verify(tampered(frame, items=dict(frame["items"], gamma=i32(1, 1))), LIMITS)
+    with pytest.raises(WireError, match="verify.proposal"):
+        wire.decode_verify(tampered(frame, proposal=dict(frame["proposal"], shape=[2, 99])), LIMITS)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"emitted": i32(4, 5, 6, 100, 42)}, "outside"),
+        ({"emitted": i32(4, 5, 6, 11)}, "values, expected"),
+        ({"num_accepted": i32(3, 2, 0)}, "exceeds num_proposed"),
+        ({"num_proposed": i32(9, 1, 0)}, "num_proposed"),
+        ({"emit_lens": i32(5, 0, 1), "emitted": i32(1, 2, 3, 4, 5, 6)}, "plus one"),
+        ({"resync": i64(7)}, "resync row emits"),
+        ({"resync": i64(99)}, "resync"),
+        ({"verify_seconds": math.inf}, "verify_seconds"),
+    ],
+)
+def test_bad_outcome(changes: dict[str, Any], match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        wire.decode_outcome(tampered(outcome_frame(), **changes), LIMITS)
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError):
+        WireLimits(vocab_size=0, gamma_max=8, max_batch=1, max_seq_len=1)
+    with pytest.raises(ValueError):
+        WireLimits(vocab_size=10, gamma_max=8, max_batch=wire.MAX_ROWS + 1, max_seq_len=1)
+
+
+# ---- fuzzing -----------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=64),
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=8) | st.integers(0, 9), children, max_size=5),
+    max_leaves=10,
+)
+
+
+def decodes_or_wire_error(data: Any) -> None:
+    for decode in DECODERS:
+        try:
+            decode(data, LIMITS)
+        except WireError:
+            pass
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_bytes(data: bytes) -> None:
+    decodes_or_wire_error(data)
+
+
+@FUZZ
+@given(msgpack_values)
+def test_fuzz_msgpack_objects(obj: Any) -> None:
+    decodes_or_wire_error(repack(obj))
+
+
+@FUZZ
+@given(st.sampled_from(sorted(VALID)), st.data())
+def test_fuzz_tampered_valid_frames(name: str, data: st.DataObject) -> None:
+    frame = unpacked(VALID[name])
+    target = frame
+    for nested in ("items", "proposal", "q"):  # sometimes tamper inside a nested block
+        if isinstance(target.get(nested), dict) and data.draw(st.booleans()):
+            target = target[nested]
+    key = data.draw(st.sampled_from(sorted(target)))
+    target[key] = data.draw(msgpack_values | st.binary(min_size=0, max_size=96))
+    decodes_or_wire_error(repack(frame))
+
+
+@FUZZ
+@given(st.sampled_from(sorted(VALID)), st.integers(0, 10_000), st.integers(0, 255))
+def test_fuzz_flipped_bytes(name: str, where: int, value: int) -> None:
+    data = bytearray(VALID[name])
+    data[where % len(data)] = value
+    decodes_or_wire_error(bytes(data))
+
+
+def test_config_batch_cap_matches_wire() -> None:
+    from cluster.config import MAX_BATCH_CAP
+
+    assert MAX_BATCH_CAP == wire.MAX_ROWS
