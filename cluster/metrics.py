@@ -37,7 +37,7 @@ KV_SLOTS_IN_USE = "specserve_kv_slots_in_use"
 
 # Allowed tag values.
 STAGES = ("draft", "verify", "transport", "schedule")
-FALLBACK_REASONS = ("draft_died", "draft_timeout", "draft_garbage")
+FALLBACK_REASONS = ("draft_died", "draft_timeout", "draft_garbage", "draft_resync")
 REQUEST_STATUSES = ("ok", "error", "timeout", "rejected", "cancelled")
 CANCEL_PHASES = ("queued", "running")
 KV_MODELS = ("target", "draft")
@@ -102,8 +102,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             FALLBACKS,
             "counter",
-            "Batched steps that fell back to target-only decoding because the draft pool failed: a "
-            "replica died, missed its deadline, or returned a proposal that did not validate.",
+            "Batched steps that fell back because the draft pool failed: a replica died, missed its "
+            "deadline or returned a proposal that did not validate (a target-only step), or a replica "
+            "had to re-prefill sequences it never saw after they moved to it (draft_resync).",
             tag_keys=("reason",),
         ),
         MetricSpec(REQUESTS, "counter", "Requests finished, by final status.", tag_keys=("status",)),

@@ -2,6 +2,7 @@
 
     handle = serve.get_deployment_handle("Router", app_name="specserve")
     resp: GenerateResponse = await handle.generate.remote(GenerateRequest(prompt="..."))
+    chat = GenerateRequest(messages=[{"role": "user", "content": "..."}])  # the target's chat template
     async for chunk in handle.options(stream=True).generate_stream.remote(GenerateRequest(...)):
         ...  # GenerateChunk
 
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 class InvalidRequest(ValueError):
     """A request the caller must fix (HTTP 400). ``param`` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code  # e.g. "context_length_exceeded" (OpenAI's code for a prompt that does not fit)
 
 
 class Overloaded(RuntimeError):
@@ -35,14 +37,21 @@ class GenerationFailed(RuntimeError):
     """The request was admitted but could not be completed (timeout, verifier lost, …)."""
 
 
+class RequestTimedOut(GenerationFailed):
+    """The request ran past ``router.request_timeout_s`` (HTTP 504)."""
+
+
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
+MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass
 class GenerateRequest:
     prompt: str | None = None  # text, tokenized by the router with the target's tokenizer
     prompt_token_ids: list[int] | None = None  # or token ids directly
+    messages: list[dict] | None = None  # or a chat: [{"role", "content": str}], rendered by the chat template
     max_tokens: int | None = None  # None: the config's default
     temperature: float | None = None  # None: the config's default; 0 = greedy
     top_p: float | None = None
@@ -52,9 +61,13 @@ class GenerateRequest:
     ignore_eos: bool = False
 
     def validate(self, *, vocab_size: int, has_tokenizer: bool) -> None:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise InvalidRequest("give exactly one of prompt and prompt_token_ids", "prompt")
-        if self.prompt is not None:
+        given = [self.prompt is not None, self.prompt_token_ids is not None, self.messages is not None]
+        if sum(given) != 1:
+            raise InvalidRequest("give exactly one of prompt, prompt_token_ids and messages",
+                                 "messages" if self.messages is not None else "prompt")
+        if self.messages is not None:
+            _check_messages(self.messages, has_tokenizer)
+        elif self.prompt is not None:
             if not isinstance(self.prompt, str):
                 raise InvalidRequest("prompt must be a string", "prompt")
             if not has_tokenizer:
@@ -83,6 +96,31 @@ class GenerateRequest:
                                      "characters", "stop")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos must be a boolean", "ignore_eos")
+
+
+def _check_messages(messages, has_tokenizer: bool) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"{where} must be an object with role and content", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                 f"{where}.role")
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"{where}.content must be a string", f"{where}.content")
+        unknown = sorted(set(m) - {"role", "content", "name"})
+        if unknown:
+            raise InvalidRequest(f"{where} has unsupported field {unknown[0]!r}", f"{where}.{unknown[0]}")
+        if "name" in m and not isinstance(m["name"], str):
+            raise InvalidRequest(f"{where}.name must be a string", f"{where}.name")
+    if not has_tokenizer:
+        raise InvalidRequest("this deployment has no tokenizer, so no chat template: send prompt_token_ids",
+                             "messages")
 
 
 def _check_int(value, name: str, lo: int, hi: int) -> None:

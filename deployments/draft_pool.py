@@ -29,12 +29,8 @@ class DraftPool(StageHost):
         runner = getattr(self.proposer, "runner", None)
         self._slots = SlotGauge("draft") if runner is not None else None
 
-    @serve.multiplexed(max_num_models_per_replica=1024)
-    async def _shard(self, shard: str) -> str:
-        return shard  # nothing to load: the key only makes Serve route a micro-batch back here
-
     async def propose(self, frame: bytes) -> bytes:
-        await self._shard(serve.get_multiplexed_model_id())
+        await self._affinity()
         items = wire.decode_propose(frame, self.limits)
         batch = await self._run(self.proposer.propose, items)
         if self._slots is not None:
@@ -47,5 +43,7 @@ class DraftPool(StageHost):
 
     async def stats(self) -> dict:
         runner = getattr(self.proposer, "runner", None)
-        return {"calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else 0,
+        import ray
+
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else 0,
                 "sequences": len(runner.seqs) if runner else len(getattr(self.proposer, "histories", {}))}

@@ -23,7 +23,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded)
+                             Overloaded, RequestTimedOut)
 from deployments.metrics import RouterMetrics
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
@@ -98,6 +98,7 @@ class Router:
         self._stop = threading.Event()
         self.last_progress = time.monotonic()
         self.steps = 0
+        self.cancelled_total = 0  # requests whose caller went away or that timed out (see kv_usage)
         self._thread = threading.Thread(target=self._loop, name="specserve-step-loop", daemon=True)
         self._thread.start()
 
@@ -147,18 +148,21 @@ class Router:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest("expected a GenerateRequest", None)
         req.validate(vocab_size=self.limits.vocab_size, has_tokenizer=self.tokenizer is not None)
-        prompt = req.prompt_token_ids if req.prompt is None else self.tokenizer(req.prompt)["input_ids"]
+        prompt_param = "messages" if req.messages is not None else "prompt"
+        prompt = self._prompt_ids(req)
         if not prompt:
-            raise InvalidRequest("prompt encodes to no tokens", "prompt")
+            raise InvalidRequest("prompt encodes to no tokens", prompt_param)
         defaults = self.cfg.defaults
-        max_tokens = req.max_tokens if req.max_tokens is not None else defaults.max_tokens
         room = self.cfg.target.max_model_len - len(prompt)
+        # An unset max_tokens means "the default, or whatever room the context has left".
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(defaults.max_tokens, room)
         if room < 1:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the context holds "
-                                 f"{self.cfg.target.max_model_len}; shorten it", "prompt")
+                                 f"{self.cfg.target.max_model_len}; shorten it", prompt_param,
+                                 "context_length_exceeded")
         if max_tokens > room:
             raise InvalidRequest(f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceed the context of "
-                                 f"{self.cfg.target.max_model_len} tokens", "max_tokens")
+                                 f"{self.cfg.target.max_model_len} tokens", "max_tokens", "context_length_exceeded")
         if req.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this deployment has none", "stop")
         sampling = SamplingParams(
@@ -179,6 +183,19 @@ class Router:
             self.live[seq_id] = live
         self._wake.set()
         return seq_id, live, list(req.stop)
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        if req.messages is None:
+            return self.tokenizer(req.prompt)["input_ids"]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("the target's tokenizer has no chat template; use a completion prompt", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template itself may raise (e.g. "roles must alternate")
+            raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template adds its own
 
     async def _events(self, seq_id: int, live: _Live):
         """Yields (event, output) until the request finishes; cancels it on timeout or caller exit."""
@@ -205,12 +222,13 @@ class Router:
                     return
         except asyncio.TimeoutError:
             self.metrics.request_done("timeout")
-            raise GenerationFailed(f"request timed out after {self.cfg.router.request_timeout_s:g} s") from None
+            raise RequestTimedOut(f"request timed out after {self.cfg.router.request_timeout_s:g} s") from None
         finally:
             with self._lock:
                 self.live.pop(seq_id, None)
             if not finished:  # caller went away or timed out: free its caches everywhere
                 self.engine.cancel(seq_id)
+                self.cancelled_total += 1
                 self.metrics.cancelled("running" if live.running else "queued")
                 self._wake.set()
 
@@ -257,8 +275,36 @@ class Router:
         stages = getattr(self, "stages", None)
         return {"model": self.cfg.http.model_name, "vocab_size": self.limits.vocab_size,
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
-                "fallbacks": stages.fallbacks if stages else 0, "stats": self.engine.stats.as_dict(),
+                "fallbacks": stages.fallbacks if stages else 0,
+                "shard_prefix": stages.shard_prefix if stages else None, "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.live)}
+
+    async def kv_usage(self) -> dict:
+        """KV slots in use in the verifier and the draft pool, and the cancelled-request counter.
+
+        Asks each stage's ``stats()`` once per micro-batch shard key, so the answers come from the replicas
+        that hold this router's sequences (with several replicas per stage, ones no shard routes to are not
+        asked). ``slots_in_use`` sums per replica where stats name it (``actor_name``), else per shard key.
+        """
+        stages = getattr(self, "stages", None)
+        out = {"cancelled": self.cancelled_total, "in_flight": len(self.live), "running": len(self.engine.running),
+               "waiting": len(self.engine.waiting), "verifier": [], "draft_pool": []}
+        if stages is None:
+            return out
+        asked = [("verifier", stages.verifier)]
+        if stages.draft is not None and stages.draft is not stages.verifier:
+            asked.append(("draft_pool", stages.draft))
+        totals = {}
+        for name, handle in asked:
+            per_replica = {}
+            for shard in range(self.cfg.router.micro_batches):
+                key = f"{stages.shard_prefix}-{shard}"
+                stats = await stages._keyed(handle, shard).stats.remote()  # routed like the step's calls
+                out[name].append({"shard": key, **stats})
+                per_replica[stats.get("actor_name") or key] = stats.get("slots_in_use") or 0
+            totals[name] = sum(per_replica.values())
+        out["slots_in_use"] = totals
+        return out
 
     def check_health(self) -> None:
         if not self._thread.is_alive():

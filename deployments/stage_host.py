@@ -13,6 +13,8 @@ import threading
 import time
 from collections import deque
 
+from ray import serve
+
 from cluster import wire
 
 
@@ -34,6 +36,16 @@ class StageHost:
             finally:
                 self._busy.append((start, time.time()))
                 self.calls += 1
+
+    @serve.multiplexed(max_num_models_per_replica=1024)
+    async def _shard(self, shard: str) -> str:
+        return shard  # nothing to load: the key only makes Serve route the micro-batch back here
+
+    async def _affinity(self) -> None:
+        """Register the caller's shard key with Serve's multiplexing (a keyless call is just served)."""
+        shard = serve.get_multiplexed_model_id()
+        if shard:
+            await self._shard(shard)
 
     def busy_intervals(self, since: float = 0.0) -> list[tuple[float, float]]:
         """Wall-clock intervals this replica spent in stage calls (for the overlap benchmark)."""

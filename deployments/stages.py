@@ -77,6 +77,7 @@ class RemoteStages:
 
     def submit_propose(self, items: Sequence[ProposeItem], shard: int = 0):
         seq_ids = [it.sync.seq_id for it in items]
+        bases = {it.sync.seq_id: it.sync.base for it in items}
         if self.draft is None:
             return Done(ProposalBatch.empty(seq_ids))
         frame = wire.encode_propose(items)
@@ -102,6 +103,10 @@ class RemoteStages:
             except wire.WireError as exc:
                 return self._fallback(seq_ids, "draft_garbage", exc)
             self.timings.add("draft", time.perf_counter() - t0, batch.draft_seconds)
+            moved = [s for s in batch.resync if bases[s] > 0]
+            if moved:  # a replica that never saw these sequences (the old one died or was scaled down)
+                self.fallbacks += 1
+                self.on_fallback("draft_resync", len(moved))
             return batch
 
         return _Pending(response, finish, started)

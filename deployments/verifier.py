@@ -46,12 +46,8 @@ class Verifier(StageHost):
         self.proposer = (proposer_factory or make_proposer)(settings) if colocated else None
         self._slots = SlotGauge("target")
 
-    @serve.multiplexed(max_num_models_per_replica=1024)
-    async def _shard(self, shard: str) -> str:
-        return shard
-
     async def verify(self, frame: bytes) -> bytes:
-        await self._shard(serve.get_multiplexed_model_id())
+        await self._affinity()
         items, proposal = wire.decode_verify(frame, self.limits)
         outcome = await self._run(self.stage.verify, items, proposal)
         runner = getattr(self.stage, "runner", None)
@@ -62,7 +58,7 @@ class Verifier(StageHost):
     async def propose(self, frame: bytes) -> bytes:
         if self.proposer is None:
             raise RuntimeError("this verifier hosts no draft (draft_pool.placement is not 'colocated')")
-        await self._shard(serve.get_multiplexed_model_id())
+        await self._affinity()
         items = wire.decode_propose(frame, self.limits)
         return wire.encode_proposal(await self._run(self.proposer.propose, items))
 

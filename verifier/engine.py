@@ -16,8 +16,9 @@ by its first proposal.
 from __future__ import annotations
 
 import queue
+import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
 from verifier.gamma import GammaPolicy, GammaState
@@ -151,6 +152,10 @@ class Engine:
                              f"{self.max_len} tokens")
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer")
+        if request.sampling.seed is None and not request.sampling.greedy:
+            # The stages key every random draw on the seed (``rng``); without one, all unseeded requests
+            # would share seed 0 and identical prompts would get identical "samples".
+            request = replace(request, sampling=replace(request.sampling, seed=secrets.randbits(63)))
         if seq_id is None:
             seq_id = self._next_id
             self._next_id += 1

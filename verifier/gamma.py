@@ -35,10 +35,12 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
 class GammaState:
     accepted: float = 0.0
     rejections: float = 0.0
+    prior: float = 1.0  # share of the prior's weight left; fades with the evidence (see ``observe``)
     steps_off: int = 0
 
     def alpha(self, prior_alpha: float, prior_weight: float) -> float:
-        return (self.accepted + prior_alpha * prior_weight) / (self.accepted + self.rejections + prior_weight)
+        weight = prior_weight * self.prior
+        return (self.accepted + prior_alpha * weight) / (self.accepted + self.rejections + weight)
 
 
 @dataclass
@@ -76,3 +78,7 @@ class GammaPolicy:
             return
         state.accepted = state.accepted * self.decay + accepted
         state.rejections = state.rejections * self.decay + (1 if accepted < proposed else 0)
+        # The prior decays like old evidence. Kept at full weight, it would outweigh the at most
+        # 1 / (1 − decay) rejections the decayed counts can hold: with the defaults α could never fall
+        # below ~0.17, so a draft that never agrees would keep γ ≥ 1 whenever c < 0.17.
+        state.prior *= self.decay

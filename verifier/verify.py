@@ -80,7 +80,7 @@ class VerifyStage:
         num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         for b, d in enumerate(drafts):
             draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        uniform, noise = self._randomness(live, G, V)
+        uniform, noise = self._randomness(live, [len(d) for d in drafts], G, V)
 
         if self.acceptance.mode == "threshold":
             output, accepted = threshold_accept(draft_tokens, num_draft, target_probs.cpu(),
@@ -107,15 +107,20 @@ class VerifyStage:
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
 
-    def _randomness(self, live: Sequence[VerifyItem], G: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row coins [B, G] and Exp(1) noise [B, V], each row from its own (seed, position) stream."""
+    def _randomness(self, live: Sequence[VerifyItem], num_draft: Sequence[int], G: int, V: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row coins [B, G] and Exp(1) noise [B, V], each row from its own (seed, position) stream.
+
+        A row draws exactly its own ``num_draft`` coins, after its noise: drawing the batch's padded G
+        would shift the noise with the other rows' draft lengths and break reproducibility.
+        """
         uniform = torch.zeros((len(live), G))
         noise = torch.ones((len(live), V))
-        for b, it in enumerate(live):
+        for b, (it, n) in enumerate(zip(live, num_draft)):
             if it.sampling.greedy:
                 continue  # one-hot p and q: coins and noise cannot change the outcome
             gen = row_generator(it.sampling.seed or 0, len(self.runner.seqs[it.sync.seq_id].tokens),
                                 VERIFY_STREAM)
-            uniform[b] = torch.rand(G, generator=gen)
             noise[b] = torch.empty(V).exponential_(generator=gen)
+            uniform[b, :n] = torch.rand(n, generator=gen)
         return uniform, noise

@@ -1,0 +1,535 @@
+"""The OpenAI-compatible HTTP ingress: FastAPI inside a Serve deployment, in front of the router.
+
+    POST /v1/completions          text completion (prompt: a string, or token ids), SSE with stream: true
+    POST /v1/chat/completions     chat completion (the target tokenizer's chat template, applied by the router)
+    GET  /v1/models[/{model}]     the one served model (http.model_name)
+    GET  /health                  200 while the router's step loop is alive and making progress, else 503
+    GET  /debug/kv                KV slots in use in verifier and draft pool, cancelled-request counter
+
+Contract (docs/http_api.md has the user-facing version):
+
+- Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx for
+  anything the caller must fix (400 naming the parameter, 401, 404 for an unknown model or path, 405,
+  413 for a body over ``http.max_body_bytes``) and 503 + ``Retry-After`` when admission control refuses
+  the request. Bad input never yields a 5xx: the body is size-checked (Content-Length, then the bytes
+  actually read) before it is parsed, parsed with a strict JSON reader (no NaN/Infinity), and every
+  field is type-checked here; ranges and the context check are ``GenerateRequest.validate`` and the
+  router's, so handle callers get the same messages.
+- ``stream: true`` answers ``text/event-stream``: OpenAI chunks, the last one carrying ``finish_reason``
+  and the request's speculation statistics, then (with ``stream_options.include_usage``) a usage chunk
+  with empty ``choices``, then ``data: [DONE]``. A stream that fails after its first chunk ends with
+  ``data: {"error": {...}}`` and no ``[DONE]``. Admission errors arrive before the first byte, as a
+  normal HTTP error.
+- A client that goes away cancels its request: Serve cancels this handler's task, and the handler
+  cancels its router call, whose ``_events`` then cancels the sequence in the engine (KV slots freed in
+  the verifier and the draft pool; ``/debug/kv`` shows it).
+- With ``http.api_key`` / ``api_key_env`` set, every path except ``/health`` needs
+  ``Authorization: Bearer <key>``, compared in constant time; the key is never logged or echoed.
+  ``/debug/kv`` is read-only (counters only, no request content) and behind the same key.
+
+No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation of the
+endpoint methods, or it treats ``request`` as a required body field.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.config import ClusterConfig
+from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
+                             Overloaded, RequestTimedOut)
+
+log = logging.getLogger("specserve.ingress")
+
+HEALTH_TIMEOUT_S = 5.0
+MAX_TOKEN_IDS = 1 << 20
+
+# Accepted fields per endpoint; any other key is refused naming itself (a typo must not be ignored).
+# Values are the "off" settings of OpenAI features specserve does not implement: any other value → 400.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+           "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos",
+           "return_token_ids"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "parallel_tool_calls"}
+_UNSUPPORTED_OFF = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "echo": (False,),
+                    "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "tools": (), "tool_choice": ("none",),
+                    "parallel_tool_calls": (True, False)}
+
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    @property
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError):
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    first = (exc.errors() or [{}])[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    return _bad(f"invalid request: {first.get('msg', 'validation failed')}", ".".join(loc) or None).response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                          str(exc.detail))
+    return ApiError(exc.status_code, message, type=kind, headers=dict(exc.headers or {})).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return ApiError(500, "internal server error", type="server_error").response()
+
+
+# -- translating errors ------------------------------------------------------------------------------
+
+
+_HTTP_PARAM = {"prompt_token_ids": "prompt"}  # the handle API's field → the OpenAI field it came from
+
+
+def _translate(exc: BaseException, renames: dict | None = None) -> ApiError:
+    """A router-side exception (possibly wrapped by Ray) → an OpenAI-shaped HTTP error."""
+    cause = _cause(exc)
+    if isinstance(cause, InvalidRequest):
+        param = getattr(cause, "param", None)
+        param = (renames or {}).get(param) or _HTTP_PARAM.get(param, param)
+        return _bad(str(cause.args[0]) if cause.args else str(cause), param, getattr(cause, "code", None))
+    if isinstance(cause, Overloaded):
+        retry = max(1, math.ceil(getattr(cause, "retry_after_s", 1.0) or 1.0))
+        return ApiError(503, str(cause.args[0]) if cause.args else "server overloaded; retry later",
+                        type="server_overloaded", code="overloaded", headers={"Retry-After": str(retry)})
+    if isinstance(cause, RequestTimedOut):
+        return ApiError(504, str(cause.args[0]) if cause.args else "request timed out", type="timeout_error",
+                        code="timeout")
+    if isinstance(cause, GenerationFailed):
+        return ApiError(500, str(cause.args[0]) if cause.args else "generation failed", type="server_error",
+                        code="generation_failed")
+    name = type(cause).__name__
+    if name in ("BackPressureError", "DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError",
+                "RayActorError"):
+        return ApiError(503, "the router is unavailable or saturated; retry later", type="server_overloaded",
+                        code="unavailable", headers={"Retry-After": "1"})
+    log.error("request failed: %s: %s", name, cause)
+    return ApiError(500, "internal server error", type="server_error")
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """Ray wraps a replica's exception in a RayTaskError whose ``cause`` is the original."""
+    seen = 0
+    while seen < 4 and getattr(exc, "cause", None) is not None and isinstance(exc.cause, BaseException):
+        exc = exc.cause
+        seen += 1
+    return exc
+
+
+# -- parsing helpers ---------------------------------------------------------------------------------
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_off(value, off: tuple) -> bool:
+    if off == ():  # a list feature (tools): off when empty
+        return isinstance(value, list) and not value
+    return any(type(value) is type(o) and value == o for o in off) or \
+        (isinstance(value, (int, float)) and not isinstance(value, bool) and any(
+            isinstance(o, (int, float)) and not isinstance(o, bool) and value == o for o in off))
+
+
+def _opt_bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"{param or name} must be a boolean, got {value!r}", param or name)
+    return value
+
+
+def _opt_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+        value = int(value)  # JSON has one number type: 16.0 is 16
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer, got {_show(value)}", name)
+    return value
+
+
+def _opt_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{name} must be a number, got {_show(value)}", name)
+    if isinstance(value, int) and abs(value) > 1e300:
+        raise _bad(f"{name} is out of range", name)
+    return float(value)
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise _bad(f"stop must be a string or a list of strings, got {_show(value)}", "stop")
+
+
+def _prompt(body: dict) -> dict:
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("prompt is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # OpenAI's batched forms with a single prompt
+        if isinstance(p, str):
+            return {"prompt": p}
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if len(p) > MAX_TOKEN_IDS:
+            raise _bad("prompt has too many token ids", "prompt")
+        return {"prompt_token_ids": list(p)}
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise _bad("only one prompt per request is supported (n=1, no batched prompts)", "prompt")
+    raise _bad("prompt must be a string or a non-empty list of token ids", "prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    if "messages" not in body or body["messages"] is None:
+        raise _bad("messages is required", "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object with role and content", where)
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{j}] must be a {{\"type\": \"text\", \"text\": ...}} part; "
+                               "only text content is supported", f"{where}.content")
+                texts.append(part["text"])
+            m["content"] = "".join(texts)
+        elif content is None and m.get("role") == "assistant":
+            m["content"] = ""
+        out.append(m)  # roles, content types and unknown fields: GenerateRequest.validate
+    return out
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Defined last: ``serve.ingress`` pickles the class by value when it is decorated, capturing only the
+# module globals that exist at that point, so every helper it calls must be defined above.
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, args: dict, router):
+        cfg = ClusterConfig.from_dict(args)
+        self.router = router
+        self.model_name = cfg.http.model_name
+        self.max_body = cfg.http.max_body_bytes
+        key = cfg.http.resolve_api_key()
+        self._key = key.encode() if key else None
+        self.created = int(time.time())
+
+    # -- endpoints ----------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._authorize(request)
+        body = await self._json_body(request)
+        return await self._generate(body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        body = await self._json_body(request)
+        return await self._generate(body, chat=True)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        self._authorize(request)
+        if model != self.model_name:
+            raise self._unknown_model(model)
+        return self._model_card()
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            state = await asyncio.wait_for(self.router.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # router unreachable, dead or stuck
+            return JSONResponse({"status": "unhealthy", "reason": f"router unreachable: {type(exc).__name__}"},
+                                status_code=503)
+        ok = bool(state.get("ok"))
+        return JSONResponse({"status": "ok" if ok else "unhealthy", **state}, status_code=200 if ok else 503)
+
+    @app.get("/debug/kv")
+    async def debug_kv(self, request: Request):
+        self._authorize(request)
+        return await self.router.kv_usage.remote()
+
+    # -- request handling ---------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self._key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # Compare in constant time whatever was sent; never log or echo the header.
+        ok = hmac.compare_digest(token.strip().encode("utf-8", "replace"), self._key)
+        if not ok or scheme.lower() != "bearer":
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _json_body(self, request: Request) -> dict:
+        limit = self.max_body
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise _bad("invalid Content-Length header", None)
+            if int(length) > limit:
+                raise self._too_large(int(length))
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise self._too_large(len(data))
+        if not data.strip():
+            raise _bad("the request body is empty; send a JSON object", None)
+        try:
+            body = json.loads(bytes(data), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise _bad(f"the request body is not valid JSON: {str(exc)[:200]}", None) from None
+        if not isinstance(body, dict):
+            raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+        return body
+
+    def _too_large(self, n: int) -> ApiError:
+        return ApiError(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes",
+                        code="request_too_large")
+
+    def _unknown_model(self, model: str) -> ApiError:
+        return ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                        param="model", code="model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
+
+    async def _generate(self, body: dict, *, chat: bool):
+        req, opts = self._parse(body, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if opts["stream"]:
+            return await self._stream(req, opts, rid, chat)
+        response = self.router.generate.remote(req)
+        try:
+            resp: GenerateResponse = await response
+        except asyncio.CancelledError:  # the client went away: free the request's caches
+            response.cancel()
+            raise
+        except Exception as exc:
+            raise _translate(exc, opts["renames"]) from None
+        return self._full_body(resp, opts, rid, chat)
+
+    def _parse(self, body: dict, chat: bool) -> tuple[GenerateRequest, dict]:
+        allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        for name in body:
+            if name not in allowed:
+                raise _bad(f"unrecognized request argument supplied: {name}", name)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("model must be a string", "model")
+        if model is not None and model != self.model_name:
+            raise self._unknown_model(model)
+        for name, off in _UNSUPPORTED_OFF.items():
+            if name in allowed and body.get(name) is not None and not _is_off(body[name], off):
+                raise _bad(f"{name} is not supported by this server; leave it unset", name)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and logprobs is not False and not (type(logprobs) is int and logprobs == 0):
+            raise _bad("logprobs are not supported by this server; leave logprobs unset", "logprobs")
+        if body.get("logit_bias") not in (None, {}):
+            raise _bad("logit_bias is not supported by this server; leave it unset", "logit_bias")
+        if chat and body.get("response_format") not in (None, {"type": "text"}):
+            raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise _bad("user must be a string", "user")
+        n = body.get("n")
+        if n is not None and (type(n) is not int or n != 1):
+            raise _bad(f"only n=1 is supported, got {n!r}", "n")
+
+        stream = _opt_bool(body, "stream", False)
+        options = body.get("stream_options")
+        include_usage = False
+        if options is not None:
+            if not stream:
+                raise _bad("stream_options is only allowed when stream is true", "stream_options")
+            if not isinstance(options, dict):
+                raise _bad("stream_options must be an object", "stream_options")
+            for name in options:
+                if name not in ("include_usage", "continuous_usage_stats"):
+                    raise _bad(f"unrecognized stream option: {name}", f"stream_options.{name}")
+            include_usage = _opt_bool(options, "include_usage", False, "stream_options.include_usage")
+            _opt_bool(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
+
+        max_tokens = _opt_int(body, "max_tokens")
+        renames = {}
+        if chat:
+            mct = _opt_int(body, "max_completion_tokens")
+            if mct is not None and max_tokens is not None and mct != max_tokens:
+                raise _bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
+            if mct is not None:
+                max_tokens, renames = mct, {"max_tokens": "max_completion_tokens"}
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": _opt_number(body, "temperature"),
+            "top_p": _opt_number(body, "top_p"),
+            "top_k": _opt_int(body, "top_k"),
+            "seed": _opt_int(body, "seed"),
+            "stop": _stop(body.get("stop")),
+            "ignore_eos": _opt_bool(body, "ignore_eos", False),
+        }
+        if chat:
+            kwargs["messages"] = _messages(body)
+        else:
+            kwargs.update(_prompt(body))
+        opts = {"stream": stream, "include_usage": include_usage, "renames": renames,
+                "token_ids": _opt_bool(body, "return_token_ids", False)}
+        return GenerateRequest(**kwargs), opts
+
+    # -- responses ----------------------------------------------------------------------------------
+
+    def _full_body(self, resp: GenerateResponse, opts: dict, rid: str, chat: bool) -> dict:
+        text = resp.text or ""
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": resp.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": resp.finish_reason}
+        if opts["token_ids"]:
+            choice["token_ids"] = list(resp.token_ids)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice],
+                "usage": _usage(resp.prompt_tokens, resp.completion_tokens), "speculation": resp.stats}
+
+    async def _stream(self, req: GenerateRequest, opts: dict, rid: str, chat: bool):
+        gen = self.router.options(stream=True).generate_stream.remote(req)
+        try:
+            first = await gen.__anext__()  # admission and validation errors surface here, before any byte
+        except StopAsyncIteration:
+            first = None
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as exc:
+            gen.cancel()
+            raise _translate(exc, opts["renames"]) from None
+        return StreamingResponse(self._events(gen, first, opts, rid, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, gen, first: GenerateChunk | None, opts: dict, rid: str, chat: bool):
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_key = {"usage": None} if opts["include_usage"] else {}
+        done = False
+
+        def frame(choice: dict | None, **extra) -> str:
+            payload = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                       "choices": [choice] if choice is not None else [], **usage_key, **extra}
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                yield frame({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            chunk = first
+            last: GenerateChunk | None = None
+            while chunk is not None:
+                if chat:
+                    delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+                    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                              "finish_reason": chunk.finish_reason}
+                else:
+                    choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+                if opts["token_ids"]:
+                    choice["token_ids"] = list(chunk.token_ids)
+                extra = {"speculation": chunk.stats} if chunk.finish_reason is not None else {}
+                yield frame(choice, **extra)
+                if chunk.finish_reason is not None:
+                    last = chunk
+                    break
+                chunk = await gen.__anext__()
+            done = True
+            if last is None:
+                raise GenerationFailed("the stream ended without a final chunk")
+            if opts["include_usage"]:
+                usage_key = {}
+                yield frame(None, usage=_usage(last.prompt_tokens, last.completion_tokens), speculation=last.stats)
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            done = True
+            err = _translate(exc if not isinstance(exc, StopAsyncIteration)
+                             else GenerationFailed("the stream ended without a final chunk"), opts["renames"])
+            yield f"data: {json.dumps(err.body)}\n\n"
+        finally:
+            if not done:  # the client went away mid-stream: cancel the router call (frees the KV caches)
+                gen.cancel()

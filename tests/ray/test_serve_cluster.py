@@ -1,0 +1,172 @@
+"""The Serve application on CPU, driven through the typed handle API (issue 3's acceptance 1-3).
+
+Tiny models built from config (``builtin:tiny``): no files, no downloads. The reference is the target
+alone, greedy, one prompt at a time, with Hugging Face ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tests.ray.conftest import deploy
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+APP = "spec-handles"
+MAX_TOKENS = 24
+ARGS = {
+    "target": {"path": "builtin:tiny", "max_model_len": 256},
+    "draft": {"kind": "model", "path": "builtin:tiny"},
+    "speculation": {"gamma": 4, "adaptive": False},
+    "draft_pool": {"num_replicas": 2, "num_cpus": 0.25},
+    "router": {"micro_batches": 2, "max_running": 64, "max_queue": 64},
+    "defaults": {"temperature": 0.0},
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(1, 40, (64,), generator=gen)
+    return [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def references(prompts):
+    from verifier.models import build_model, resolve_spec
+
+    target = build_model(resolve_spec("builtin:tiny", "target"), device="cpu")
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def router(ray_cluster):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    deploy(build_app(ARGS), APP)
+    yield serve.get_deployment_handle("Router", app_name=APP)
+    serve.delete(APP)
+
+
+def _request(prompt):
+    from deployments.api import GenerateRequest
+
+    return GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS)
+
+
+async def _collect_stream(router, prompt) -> list[int]:
+    tokens, last = [], None
+    async for chunk in router.options(stream=True).generate_stream.remote(_request(prompt)):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    assert last is not None and last.finish_reason == "length" and last.stats is not None
+    return tokens
+
+
+async def _run_mixed(router, prompts) -> list[list[int]]:
+    """Half the requests unary, half streaming, all in flight at once."""
+    async def unary(p):
+        return (await router.generate.remote(_request(p))).token_ids
+
+    tasks = [unary(p) if i % 2 == 0 else _collect_stream(router, p) for i, p in enumerate(prompts)]
+    return await asyncio.gather(*tasks)
+
+
+def test_greedy_matches_reference_and_in_process_engine(router, prompts, references):
+    from deployments.api import GenerateResponse
+    from verifier.engine import Request
+    from verifier.factory import EngineSettings, make_engine
+    from verifier.models import resolve_spec
+
+    resp = router.generate.remote(_request(prompts[0])).result()
+    assert isinstance(resp, GenerateResponse)
+    assert resp.token_ids == references[0]
+    assert resp.finish_reason == "length" and resp.completion_tokens == MAX_TOKENS
+    assert resp.stats["steps"] >= 1 and 0.0 <= resp.stats["acceptance_rate"] <= 1.0
+
+    engine = make_engine(EngineSettings(target=resolve_spec("builtin:tiny", "target"),
+                                        draft=resolve_spec("builtin:tiny", "draft"), device="cpu", max_len=256,
+                                        adaptive=False))
+    local = engine.generate([Request(tuple(p), max_tokens=MAX_TOKENS) for p in prompts[:8]])
+    served = [router.generate.remote(_request(p)).result().token_ids for p in prompts[:8]]
+    assert served == [list(o.tokens) for o in local] == references[:8]
+
+
+def test_64_concurrent_streaming_and_unary(router, prompts, references):
+    outputs = asyncio.run(_run_mixed(router, prompts))
+    mismatched = [i for i, (o, r) in enumerate(zip(outputs, references)) if o != r]
+    assert not mismatched, f"{len(mismatched)} of 64 outputs differ from the reference: {mismatched[:5]}"
+    info = router.info.remote().result()
+    assert info["stats"]["proposed"] > 0  # speculation actually happened
+
+
+def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
+    import ray
+
+    before = router.info.remote().result()["fallbacks"]
+
+    async def scenario():
+        from ray import serve
+
+        info = await router.info.remote()
+        pool = serve.get_deployment_handle("DraftPool", app_name=APP)
+        task = asyncio.ensure_future(_run_mixed(router, prompts))
+        while (await router.info.remote())["stats"]["steps"] < info["stats"]["steps"] + 4:
+            await asyncio.sleep(0.05)  # the batch is under way
+        # The replica that drafts micro-batch 0 (shard keys route to the replica holding them).
+        victim = (await pool.options(multiplexed_model_id=f"{info['shard_prefix']}-0").stats.remote())["actor_name"]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return await task
+
+    outputs = asyncio.run(scenario())
+    mismatched = [i for i, (o, r) in enumerate(zip(outputs, references)) if o != r]
+    assert not mismatched, f"outputs differ after a draft replica died: {mismatched[:5]}"
+    assert router.info.remote().result()["fallbacks"] > before
+
+
+def test_malformed_frames_get_typed_errors_and_replicas_keep_serving(router, prompts, references):
+    from ray import serve
+
+    from cluster import wire
+
+    for name in ("DraftPool", "Verifier"):
+        handle = serve.get_deployment_handle(name, app_name=APP)
+        method = handle.propose if name == "DraftPool" else handle.verify
+        for frame in (b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1)):
+            with pytest.raises(wire.WireError):
+                method.remote(frame).result()
+    # Everyone still serves, and correctly.
+    assert router.generate.remote(_request(prompts[1])).result().token_ids == references[1]
+
+
+def test_invalid_handle_requests_are_refused_with_a_named_parameter(router):
+    from deployments.api import GenerateRequest, InvalidRequest
+
+    for req, param in ((GenerateRequest(), "prompt"),
+                       (GenerateRequest(prompt_token_ids=[1, 2], max_tokens=0), "max_tokens"),
+                       (GenerateRequest(prompt_token_ids=[1, 9999]), "prompt_token_ids"),
+                       (GenerateRequest(prompt_token_ids=[1, 2], temperature=-1.0), "temperature"),
+                       (GenerateRequest(prompt_token_ids=[1] * 300), "prompt"),
+                       (GenerateRequest(prompt="text needs a tokenizer"), "prompt")):
+        with pytest.raises(InvalidRequest) as err:
+            router.generate.remote(req).result()
+        assert err.value.param == param, (req, err.value)
+
+
+def test_health_reports_progress(router):
+    health = router.health.remote().result()
+    assert health["ok"] and health["step_loop_alive"]
+    t0 = time.monotonic()
+    assert router.health.remote().result()["seconds_since_progress"] < 5 + (time.monotonic() - t0)
