@@ -56,37 +56,54 @@ def _default_config() -> ClusterConfig:
     return ClusterConfig.from_dict(data)
 
 
-def start(cfg: ClusterConfig, *, timeout_s: float = 600.0):
-    """Start Ray + Serve for ``cfg`` and deploy the app; returns once it is RUNNING."""
-    os.environ["RAY_AUTH_MODE"] = cfg.ray.auth_mode
-    import ray
+def wait_running(app_name: str, timeout_s: float = 600.0, progress: bool = False) -> None:
+    """Serve waits forever for an unplaceable replica; fail with its status instead."""
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
-    from deployments.app import build_app
-
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address or "local", include_dashboard=cfg.ray.include_dashboard, log_to_driver=True,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": cfg.ray.auth_mode, "TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-    # serve.run waits for RUNNING without a bound (an unplaceable replica waits forever); _run does not.
-    serve._run(build_app(cfg.to_serve_args()), name=APP_NAME, route_prefix="/", _blocking=False)
     deadline = time.monotonic() + timeout_s
     last = None
     while True:
-        app = serve.status().applications.get(APP_NAME)
+        app = serve.status().applications.get(app_name)
         status = app.status if app else "NOT_STARTED"
-        if status != last:
-            print(f"[specserve] application {APP_NAME}: {status}", file=sys.stderr)
+        if progress and status != last:
+            print(f"[specserve] application {app_name}: {status}", file=sys.stderr)
             last = status
         if status == ApplicationStatus.RUNNING:
             return
         if status == ApplicationStatus.DEPLOY_FAILED:
-            raise RuntimeError(f"deploy failed: {app.message}")
+            raise RuntimeError(f"{app_name} failed to deploy: {app.message}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"application not running after {timeout_s:.0f} s (unplaceable replicas? "
+            raise TimeoutError(f"{app_name} not running after {timeout_s:.0f} s (unplaceable replicas? "
                                f"check `serve status`): {app}")
-        time.sleep(1.0)
+        time.sleep(0.5)
+
+
+def deploy(app, name: str, route_prefix: str | None = None, timeout_s: float = 600.0, progress: bool = False):
+    """Deploy ``app`` and wait, bounded, until it runs; returns the app's handle."""
+    from ray import serve
+
+    # serve.run waits for RUNNING without a bound; _run(_blocking=False) returns at once so we can bound it.
+    serve._run(app, name=name, route_prefix=route_prefix, _blocking=False)
+    wait_running(name, timeout_s, progress)
+    return serve.get_app_handle(name)
+
+
+def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> None:
+    """Start Ray + Serve for ``cfg`` and deploy the app; returns once it is RUNNING."""
+    os.environ["RAY_AUTH_MODE"] = cfg.ray.auth_mode
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    if not ray.is_initialized():
+        # address="local" unless configured: never join a cluster some earlier `ray start` left behind.
+        ray.init(address=cfg.ray.address or "local", include_dashboard=cfg.ray.include_dashboard,
+                 log_to_driver=True,
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": cfg.ray.auth_mode, "TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    deploy(build_app(cfg.to_serve_args()), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
 
 
 def serve_forever(config_path: str | None = None, host: str | None = None, port: int | None = None) -> int:

@@ -69,6 +69,35 @@ class TextStream:
         return delta
 
 
+class StepProfile:
+    """Sums of per-step time by part. Draft and verify are the stages' own compute; transport is the
+    rest of each stage call's wall time (serialisation, hops, queueing); schedule is the step loop's
+    own work (everything in a step that is not waiting on a stage)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.wall = self.schedule = 0.0
+        self.compute = {"draft": 0.0, "verify": 0.0}
+        self.transport = {"draft": 0.0, "verify": 0.0}
+        self.calls = {"draft": 0, "verify": 0}
+
+    def add(self, timings, wall: float, waited: float) -> None:
+        self.steps += 1
+        self.wall += wall
+        self.schedule += max(0.0, wall - waited)
+        for stage, call_wall, compute in timings:
+            self.calls[stage] += 1
+            self.compute[stage] += compute
+            self.transport[stage] += max(0.0, call_wall - compute)
+
+    def summary(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "step_ms": 1e3 * self.wall / n, "schedule_ms": 1e3 * self.schedule / n,
+                **{f"{k}_ms": 1e3 * v / n for k, v in self.compute.items()},
+                **{f"transport_{k}_ms": 1e3 * v / n for k, v in self.transport.items()},
+                "calls": dict(self.calls)}
+
+
 @serve.deployment(name="Router")
 class Router:
     def __init__(self, args: dict, draft_handle, verifier_handle, *, engine_factory=None):
@@ -98,6 +127,7 @@ class Router:
         self._stop = threading.Event()
         self.last_progress = time.monotonic()
         self.steps = 0
+        self.profile = StepProfile()
         self.cancelled_total = 0  # requests whose caller went away or that timed out (see kv_usage)
         self._thread = threading.Thread(target=self._loop, name="specserve-step-loop", daemon=True)
         self._thread.start()
@@ -124,8 +154,10 @@ class Router:
             for ev in events:
                 self._deliver(ev)
             stages = getattr(self, "stages", None)
-            self.metrics.after_step(self.engine.stats, stages.timings.drain() if stages else [],
-                                    time.perf_counter() - t0, self.engine.last_step_wait,
+            timings = stages.timings.drain() if stages else []
+            wall = time.perf_counter() - t0
+            self.profile.add(timings, wall, self.engine.last_step_wait)
+            self.metrics.after_step(self.engine.stats, timings, wall, self.engine.last_step_wait,
                                     len(self.engine.running), len(self.engine.waiting))
 
     def _deliver(self, ev: StepEvent) -> None:
@@ -270,6 +302,13 @@ class Router:
         return {"ok": ok, "step_loop_alive": self._thread.is_alive(), "seconds_since_progress": round(age, 3),
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "in_flight": len(self.live), "steps": self.steps}
+
+    async def step_profile(self, reset: bool = False) -> dict:
+        """Mean time per step by part (draft, verify, transport, schedule) since the last reset."""
+        out = self.profile.summary()
+        if reset:
+            self.profile = StepProfile()
+        return out
 
     async def info(self) -> dict:
         stages = getattr(self, "stages", None)

@@ -31,26 +31,4 @@ def ray_cluster():
     ray.shutdown()
 
 
-def wait_running(app_name: str, timeout_s: float = 180.0) -> None:
-    """Serve waits forever for an unplaceable replica; fail with its status instead."""
-    from ray import serve
-    from ray.serve.schema import ApplicationStatus
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(app_name)
-        if app is not None and app.status == ApplicationStatus.RUNNING:
-            return
-        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
-            raise RuntimeError(f"{app_name} failed to deploy: {app.message}")
-        time.sleep(0.5)
-    raise TimeoutError(f"{app_name} not RUNNING after {timeout_s} s: {serve.status().applications.get(app_name)}")
-
-
-def deploy(app, name: str, route_prefix: str | None = None, timeout_s: float = 180.0):
-    from ray import serve
-
-    # serve.run waits for RUNNING without a bound; _run(_blocking=False) returns at once so we can bound it.
-    serve._run(app, name=name, route_prefix=route_prefix, _blocking=False)
-    wait_running(name, timeout_s)
-    return serve.get_app_handle(name)
+from deployments.launch import deploy, wait_running  # noqa: E402,F401  (re-exported for the tests)

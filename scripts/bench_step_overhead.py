@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Step-overhead benchmark of the running Serve app: where a step's time goes, and does overlap happen.
+
+For two router settings side by side in one run — ``micro_batches=2`` (drafting one micro-batch while
+the other is verified) and ``micro_batches=1`` (no overlap) — it drives the app through the Serve handle
+with Poisson arrivals of streaming requests and reports:
+
+- time per step split into draft compute, verify compute, transport (the rest of each stage call:
+  msgpack, Serve hops, queueing) and scheduling (the router's own work), also as shares of step time;
+- the busy fraction of the draft pool and of the verifier over the run, and the fraction of time both
+  were busy at once (overlap);
+- time-to-first-token and inter-token latency percentiles.
+
+    python scripts/bench_step_overhead.py [--target DIR --draft DIR] [--requests 48 --rate 6]
+
+Prints a table and writes JSON (default bench-out/step_overhead.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def union_length(intervals, lo, hi) -> float:
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in clipped:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def merged(intervals, lo, hi):
+    out = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def intersection_length(xs, ys) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def pct(values, q) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def drive(router, prompts, rate: float, max_tokens: int, seed: int):
+    from deployments.api import GenerateRequest
+
+    rng = random.Random(seed)
+    ttft, itl, tokens = [], [], 0
+
+    async def one(prompt):
+        nonlocal tokens
+        t0 = time.perf_counter()
+        last = None
+        async for chunk in router.options(stream=True).generate_stream.remote(
+                GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0)):
+            now = time.perf_counter()
+            if not chunk.token_ids:
+                continue
+            if last is None:
+                ttft.append(now - t0)
+            else:
+                # A chunk carries every token of one step: spread the gap over them.
+                itl.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+            tokens += len(chunk.token_ids)
+            last = now
+
+    tasks = []
+    for p in prompts:
+        tasks.append(asyncio.ensure_future(one(p)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    return ttft, itl, tokens
+
+
+def run_mode(name: str, args, micro_batches: int, prompts) -> dict:
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.launch import deploy
+
+    app_args = {"target": {"path": args.target, "max_model_len": 512},
+                "draft": {"kind": "model", "path": args.draft},
+                "speculation": {"gamma": args.gamma, "adaptive": False},
+                "draft_pool": {"num_replicas": 1},
+                "router": {"micro_batches": micro_batches, "max_running": 64},
+                "defaults": {"temperature": 0.0}}
+    app = f"bench-{name}"
+    deploy(build_app(app_args), app, timeout_s=600)
+    router = serve.get_deployment_handle("Router", app_name=app)
+    pool = serve.get_deployment_handle("DraftPool", app_name=app)
+    verifier = serve.get_deployment_handle("Verifier", app_name=app)
+    asyncio.run(drive(router, prompts[:4], 50.0, 8, 0))  # warm-up: first calls pay one-off costs
+    router.step_profile.remote(reset=True).result()
+    t_start = time.time()
+    w0 = time.perf_counter()
+    ttft, itl, tokens = asyncio.run(drive(router, prompts, args.rate, args.max_tokens, args.seed))
+    wall = time.perf_counter() - w0
+    t_end = time.time()
+    profile = router.step_profile.remote().result()
+    draft_busy = merged(pool.busy_intervals.remote(t_start).result(), t_start, t_end)
+    verify_busy = merged(verifier.busy_intervals.remote(t_start).result(), t_start, t_end)
+    window = t_end - t_start
+    serve.delete(app)
+    step = profile["step_ms"] or float("nan")
+    transport = profile["transport_draft_ms"] + profile["transport_verify_ms"]
+    return {
+        "mode": name, "micro_batches": micro_batches, "requests": len(prompts), "tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall, "profile": profile,
+        "share_of_step": {"draft": profile["draft_ms"] / step, "verify": profile["verify_ms"] / step,
+                          "transport": transport / step, "schedule": profile["schedule_ms"] / step},
+        "busy": {"draft": union_length(draft_busy, t_start, t_end) / window,
+                 "verify": union_length(verify_busy, t_start, t_end) / window,
+                 "both": intersection_length(draft_busy, verify_busy) / window},
+        "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
+        "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="builtin:tiny")
+    parser.add_argument("--draft", default="builtin:tiny")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rate", type=float, default=6.0, help="Poisson arrival rate, requests/s")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-out/step_overhead.json")
+    args = parser.parse_args()
+
+    import ray
+    import torch
+
+    from verifier.models import resolve_spec, spec_vocab_size
+
+    vocab = spec_vocab_size(resolve_spec(args.target, "target"))
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 64, (args.requests,), generator=gen)]
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    results = [run_mode("overlap", args, 2, prompts), run_mode("serial", args, 1, prompts)]
+    ray.shutdown()
+
+    header = ("mode", "tok/s", "step ms", "draft", "verify", "transport", "schedule", "busy draft", "busy verify",
+              "busy both", "TTFT p50/p99 ms", "ITL p50/p99 ms")
+    rows = []
+    for r in results:
+        s, b = r["share_of_step"], r["busy"]
+        rows.append((r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['profile']['step_ms']:.2f}", f"{s['draft']:.0%}",
+                     f"{s['verify']:.0%}", f"{s['transport']:.0%}", f"{s['schedule']:.0%}", f"{b['draft']:.0%}",
+                     f"{b['verify']:.0%}", f"{b['both']:.0%}",
+                     f"{r['ttft_ms'][50]:.0f}/{r['ttft_ms'][99]:.0f}", f"{r['itl_ms'][50]:.1f}/{r['itl_ms'][99]:.1f}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    ratio = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
+    print(f"throughput overlap / serial: {ratio:.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": f"{platform.node()} ({os.cpu_count()} CPUs, CPU only)",
+                               "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+                               "overlap_over_serial_throughput": ratio, "results": results}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
