@@ -163,6 +163,19 @@ def _configure_cpu_allreduce(deepspeed, dist: DistConfig) -> None:
         os.environ.pop("LOCAL_SIZE", None)
 
 
+def cpu_shm_op_built() -> bool:
+    """Whether DeepSpeed's CPU shm all-reduce op is already in torch's extension cache, i.e. whether
+    ``cpu_shm_allreduce=True`` costs a load (~1 s) rather than a C++ build (~1 min idle, several under load).
+    Pre-build it once per image/host with ``ShareMemCommBuilder().load()`` (docs/tensor_parallel.md)."""
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                    "torch_extensions")
+    flavour = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    folder = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}", SHM_OP)
+    return os.path.isfile(os.path.join(folder, f"{SHM_OP}.so"))
+
+
 def uses_shm_allreduce() -> bool:
     """Whether DeepSpeed's comm layer in this process loaded the CPU shared-memory all-reduce op."""
     import deepspeed.comm as dscomm
@@ -210,9 +223,10 @@ def shard_model(model, tp_size: int, *, dtype: torch.dtype | None = None, tp_gra
     the model is expected on the meta device and each rank loads only its shards from ``base_dir``.
     """
     check_tp_divides(model.config, tp_size)
-    device = next(model.parameters()).device
+    first = next(model.parameters())
+    device, dtype = first.device, dtype or first.dtype  # init_inference's own default dtype is float16
     if tp_size == 1:
-        return model.to(dtype=dtype) if dtype is not None else model
+        return model.to(dtype=dtype)
     deepspeed = _import_deepspeed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     grain = tp_grain_size or tp_grain_size_for(model.config, tp_size)
     kwargs: dict[str, Any] = {}
@@ -235,26 +249,27 @@ def _rebuild_rotary(model) -> None:
 
 
 def load_target(spec, *, tp_size: int, device: torch.device, dtype: torch.dtype, tp_grain_size: int | None = None,
-                load: str = "auto"):
+                load: str = "full"):
     """Build this rank's copy of the target and shard it; returns (model, how it was loaded).
 
-    ``load``: "meta" builds the model on the meta device and lets every rank read only its shard of each
-    safetensors file (peak ≈ model/tp + the largest checkpoint file); "full" builds the whole model on
-    the CPU first (peak ≈ the whole model, per rank); "auto" is "meta" for a local folder of safetensors
-    files when tp_size > 1, else "full". Tiny models from config are always built in full.
+    ``load="full"`` builds the model on the CPU with ``verifier.models.build_model`` (transformers maps
+    safetensors files lazily, so when the checkpoint already has the serving dtype a rank's private memory
+    grows only by its shards; a dtype conversion materialises the whole model per rank for a moment) and
+    lets AutoTP copy out this rank's shards. ``load="meta"`` builds the model on the meta device and has
+    DeepSpeed read each safetensors file of a local folder and keep only this rank's shards (peak ≈ the
+    largest checkpoint file plus the shards, whatever the loader does). See docs/tensor_parallel.md.
     """
     spec = {"path": spec} if isinstance(spec, str) else dict(spec)
-    folder = spec.get("path")
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if folder else []
-    if load == "auto":
-        load = "meta" if tp_size > 1 and files else "full"
+    if load == "meta" and tp_size == 1:
+        load = "full"  # nothing to shard
     if load == "meta":
+        folder = spec.get("path")
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if folder else []
         if not files:
             raise TensorParallelError(f"meta loading needs a local folder of safetensors files, got {spec}")
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = read_model_config(folder)
-        check_supported(cfg.get("model_type", "?"), folder)
+        check_supported(read_model_config(folder).get("model_type", "?"), folder)
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         check_tp_divides(config, tp_size)
         with torch.device("meta"):
@@ -264,7 +279,7 @@ def load_target(spec, *, tp_size: int, device: torch.device, dtype: torch.dtype,
                             base_dir=folder)
         return model.to(device=device, dtype=dtype).eval(), "meta"
     if load != "full":
-        raise ValueError(f"load must be auto, meta or full, got {load!r}")
+        raise ValueError(f"load must be 'full' or 'meta', got {load!r}")
     # Sharding happens on the host (AutoTP then moves the shards to the device): build on the CPU.
     model = build_model(spec, "cpu", dtype)
     check_tp_divides(model.config, tp_size)
@@ -281,6 +296,19 @@ def linear_weight_numel(model) -> int:
     return total
 
 
+def _rss_anon_bytes() -> int | None:
+    """Private (anonymous) resident memory of this process; file-backed pages (mmapped checkpoints) are
+    shared through the page cache and are not counted. None where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # -- one rank --------------------------------------------------------------------------------------
 
 
@@ -290,7 +318,7 @@ class TPVerifierRank:
     def __init__(self, spec, dist: DistConfig | None = None, *, device: str | None = "auto", dtype: str = "auto",
                  max_slots: int = 64, max_len: int = 1024, kv_bucket: int = 16,
                  acceptance: AcceptanceConfig | None = None, threads: int | None = None,
-                 tp_grain_size: int | None = None, load: str = "auto"):
+                 tp_grain_size: int | None = None, load: str = "full"):
         t0 = time.perf_counter()
         if threads is not None:
             torch.set_num_threads(threads)
@@ -337,6 +365,7 @@ class TPVerifierRank:
             "param_bytes": params,
             "kv_pool_bytes": 2 * pool.k.numel() * pool.k.element_size(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_anon_bytes": _rss_anon_bytes(),
             "sequences": len(self.runner.seqs), "slots_in_use": pool.slots_in_use,
         }
 

@@ -35,5 +35,5 @@ def test_tag_keys() -> None:
 
 def test_descriptions_are_ascii():
     # Ray's metric exporter encodes descriptions as ASCII and raises on anything else at replica start.
-    for spec in METRICS.values():
+    for spec in metrics.METRICS.values():
         spec.description.encode("ascii")

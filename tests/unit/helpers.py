@@ -1,0 +1,100 @@
+"""Helpers shared by the engine tests: ragged prompts, the greedy reference, engine factory, χ².
+
+Every model is built from config with a fixed seed (DESIGN.md §8): no hub, no downloads. Drafts are the
+target itself (always agrees), an independently initialised model (``tiny_llama(7)``: agrees only by
+coincidence) and a noisy copy of the target (acceptance in between; see ``NOISE``).
+"""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from draftpool.draft_model import DraftModelProposer
+from draftpool.ngram import NgramProposer
+from verifier.engine import Engine, LocalStages
+from verifier.gamma import GammaPolicy
+from verifier.runner import ModelRunner
+from verifier.verify import AcceptanceConfig, VerifyStage
+
+VOCAB = 96  # tiny_llama's default; ids 0, 1, 2 are bos, eos, pad in its config
+MAX_NEW = 24  # generated tokens per reference sequence
+MAX_LEN = 128  # engine / runner context (prompts ≤ 40 + MAX_NEW fit)
+NUM_PROMPTS = 16
+NOISE = 0.03  # noisy_copy noise: α ≈ 0.7, acceptance rate ≈ 0.3–0.7 for γ = 1..8
+P_MIN = 1e-3  # χ² p-value below which a distribution test fails
+
+
+def make_prompts(seed: int, n: int = NUM_PROMPTS, vocab: int = VOCAB, lo: int = 1, hi: int = 40
+                 ) -> list[tuple[int, ...]]:
+    """``n`` prompts with lengths spread over [lo, hi] (both ends included), tokens avoiding bos/eos/pad."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [lo, hi] + torch.randint(lo, hi + 1, (n - 2,), generator=gen).tolist()
+    return [tuple(torch.randint(3, vocab, (int(k),), generator=gen).tolist()) for k in lengths]
+
+
+def hf_greedy(model, prompt, max_new: int, eos: int | None = None) -> tuple[int, ...]:
+    """The fidelity reference (DESIGN.md §5): HF generate, greedy, one prompt, no padding, fp32 CPU."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=2)
+    generated = tuple(out[0, len(prompt):].tolist())
+    if eos is None:  # eos_token_id=None must really mean "no EOS", not the config's default
+        assert len(generated) == max_new
+    return generated
+
+
+def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False, max_slots: int = NUM_PROMPTS,
+                max_len: int = MAX_LEN, acceptance: AcceptanceConfig | None = None, **engine_kw) -> Engine:
+    """An in-process engine. ``draft``: a model, "same" (the target), "ngram", None (no proposer), or a
+    ready proposer object."""
+    if isinstance(draft, str) and draft == "same":
+        draft = target
+    if isinstance(draft, str) and draft == "ngram":
+        proposer = NgramProposer()
+    elif draft is None or hasattr(draft, "propose"):
+        proposer = draft
+    else:
+        proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len)
+    verifier = VerifyStage(ModelRunner(target, max_slots=max_slots, max_len=max_len), acceptance)
+    policy = GammaPolicy(gamma=gamma, gamma_max=max(gamma, 8), adaptive=adaptive)
+    return Engine(LocalStages(verifier, proposer), policy=policy, max_len=max_len, **engine_kw)
+
+
+def target_runner(engine: Engine) -> ModelRunner:
+    return engine.stages.verifier.runner
+
+
+def draft_runner(engine: Engine) -> ModelRunner | None:
+    return getattr(engine.stages.proposer, "runner", None)
+
+
+def run_to_end(engine: Engine) -> list:
+    """Step until no work is left; returns every StepEvent."""
+    events = []
+    while engine.has_work:
+        events.extend(engine.step())
+    return events
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """χ² goodness of fit of integer ``samples`` [N] to the distribution ``probs`` [V].
+
+    A sample outside the support (probs == 0) is a hard failure, not a small p-value. Cells expected
+    fewer than 5 times are pooled into one so that the χ² approximation holds.
+    """
+    samples = samples.reshape(-1).long()
+    n = samples.numel()
+    assert n > 0, "no samples"
+    probs = probs.double().reshape(-1)
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    outside = int(counts[probs <= 0].sum())
+    assert outside == 0, f"{outside} samples fell outside the support of the expected distribution"
+    expected = probs / probs.sum() * n
+    big = expected >= 5
+    obs, exp = counts[big].tolist(), expected[big].tolist()
+    if float(expected[~big].sum()) > 0:
+        obs.append(float(counts[~big].sum()))
+        exp.append(float(expected[~big].sum()))
+    if len(obs) < 2:
+        return 1.0  # a point mass: nothing to test beyond the support check above
+    return float(chisquare(obs, exp).pvalue)

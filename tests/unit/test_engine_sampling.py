@@ -1,0 +1,130 @@
+"""Sampling through the whole engine: the output distribution is the target's, and seeds reproduce.
+
+The χ² test runs thousands of short sequences of one prompt (distinct seeds, batched 64 at a time) through
+a target/draft pair that often disagree, and compares the joint distribution of the first two generated
+tokens with the one computed exactly from the target's own logits: P(a, b) = p(a | prompt) ·
+p(b | prompt, a), after temperature / top-k / top-p. With max_tokens = 3 the first step drafts two tokens,
+so both positions go through accept, reject-and-recover and bonus paths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftpool.draft_model import DraftModelProposer
+from tests.unit.helpers import MAX_NEW, P_MIN, chi2_pvalue, make_engine, make_prompts
+from verifier.engine import Request
+from verifier.models import tiny_llama
+from verifier.protocol import SamplingParams
+from verifier.sampling import sampling_tensors, warp_probs
+
+pytestmark = pytest.mark.timeout(300)
+
+V32 = 32
+PROMPT = (3, 17, 9, 25, 4, 11)
+NUM_SEQS = 3000
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    return tiny_llama(11, vocab_size=V32), tiny_llama(12, vocab_size=V32)
+
+
+def _exact_joint(model, params: SamplingParams) -> torch.Tensor:  # [V, V]: P(first = a, second = b)
+    """The target alone: p(a | prompt) · p(b | prompt + a), from HF's own forward."""
+    temperature, top_k, top_p = sampling_tensors([params])
+    with torch.no_grad():
+        first_logits = model(torch.tensor([PROMPT])).logits[:, -1:]  # [1, 1, V]
+        second_logits = model(torch.tensor([PROMPT + (a,) for a in range(V32)])).logits[:, -1:]  # [V, 1, V]
+    p0 = warp_probs(first_logits, temperature, top_k, top_p)[0, 0]
+    p1 = warp_probs(second_logits, temperature.expand(V32), top_k.expand(V32), top_p.expand(V32))[:, 0]
+    return p0.double().unsqueeze(1) * p1.double()
+
+
+def _sample_pairs(engine, params: SamplingParams, seed0: int) -> torch.Tensor:  # [NUM_SEQS] a * V + b
+    reqs = [Request(PROMPT, max_tokens=3, sampling=SamplingParams(params.temperature, params.top_p, params.top_k,
+                                                                   seed=seed0 + i)) for i in range(NUM_SEQS)]
+    outs = engine.generate(reqs)
+    assert all(len(o.tokens) == 3 for o in outs)
+    return torch.tensor([o.tokens[0] * V32 + o.tokens[1] for o in outs])
+
+
+CASES = [  # (name, sampling, the draft's q_top_k: None = dense q)
+    ("temperature", SamplingParams(temperature=0.8), None),
+    ("top-k", SamplingParams(temperature=0.8, top_k=6), None),
+    ("top-p and top-k, sparse q", SamplingParams(temperature=1.0, top_k=12, top_p=0.8), 4),
+]
+
+
+@pytest.mark.parametrize("name,params,q_top_k", CASES, ids=[c[0] for c in CASES])
+def test_engine_output_distribution_is_the_targets(name, params, q_top_k, pair32):
+    target, draft = pair32
+    proposer = DraftModelProposer(draft, max_slots=64, max_len=32, q_top_k=q_top_k)
+    engine = make_engine(target, proposer, gamma=4, max_slots=64, max_len=32, max_running=64)
+    pairs = _sample_pairs(engine, params, seed0=1000)
+    stats = engine.stats
+    assert 0.05 < stats.acceptance_rate < 0.9, "both the accept and the reject paths must run"
+    joint = _exact_joint(target, params)
+    assert chi2_pvalue(pairs // V32, joint.sum(1)) > P_MIN  # first token
+    assert chi2_pvalue(pairs % V32, joint.sum(0)) > P_MIN  # second token
+    assert chi2_pvalue(pairs, joint.flatten()) > P_MIN  # the pair
+    # Negative control: the same samples are far from the draft's own distribution.
+    assert chi2_pvalue(pairs, _exact_joint(draft, params).flatten().clamp(min=1e-12)) < P_MIN
+
+
+def test_identical_draft_accepts_everything_when_sampling(target, prompts):
+    """p = q (the draft is the target) accepts every draft token at any temperature."""
+    engine = make_engine(target, "same", gamma=4)
+    sampling = [SamplingParams(temperature=t, top_k=k, seed=i) for i, (t, k) in
+                enumerate([(1.0, 0), (0.7, 5), (1.3, 0), (0.9, 20)] * 4)]
+    engine.generate([Request(p, max_tokens=MAX_NEW, sampling=s) for p, s in zip(prompts, sampling)])
+    assert engine.stats.proposed > 0
+    assert engine.stats.acceptance_rate == 1.0
+
+
+# -- reproducibility --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["noisy", "other", "ngram"])
+def test_same_seed_same_output_alone_or_in_a_batch(draft, target, noisy_draft, other_draft, prompts):
+    """A seeded request's output depends only on its own seed, never on its batch mates.
+
+    The batch mates differ in prompt length, sampling parameters and max_tokens (so the rows' draft
+    lengths, and the batch's padded γ, differ from step to step), and some are greedy.
+    """
+    model = {"noisy": noisy_draft, "other": other_draft, "ngram": "ngram"}[draft]
+    probe = Request(prompts[3], max_tokens=20, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=77))
+    alone = make_engine(target, model, gamma=4).generate([probe])[0].tokens
+
+    mates = [Request(p, max_tokens=5 + 3 * i, sampling=SamplingParams(temperature=0.5 + 0.1 * i, top_k=i, seed=i)
+                     if i % 3 else SamplingParams()) for i, p in enumerate(prompts[4:12])]
+    engine = make_engine(target, model, gamma=4)
+    first = [engine.add(m) for m in mates[:4]]
+    engine.step()  # the probe joins a running batch
+    probe_id = engine.add(probe)
+    rest = [engine.add(m) for m in mates[4:]]
+    while engine.has_work:
+        engine.step()
+    assert engine.output(probe_id).tokens == alone
+    for i in first + rest:
+        engine.output(i)
+    # And the seed matters: another seed gives another continuation.
+    other_seed = Request(probe.prompt, max_tokens=20, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=78))
+    assert make_engine(target, model, gamma=4).generate([other_seed])[0].tokens != alone
+
+
+def test_seeded_runs_are_deterministic(target, noisy_draft, prompts):
+    """Two runs of a seeded batch agree exactly (determinism given seeds)."""
+    reqs = [Request(p, max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+    a = [o.tokens for o in make_engine(target, noisy_draft, gamma=3).generate(reqs)]
+    b = [o.tokens for o in make_engine(target, noisy_draft, gamma=3).generate(reqs)]
+    assert a == b
+
+
+def test_unseeded_requests_are_not_all_alike(target, noisy_draft):
+    """Without a seed, identical sampled requests must still be independent samples."""
+    engine = make_engine(target, noisy_draft, gamma=3)
+    prompt = make_prompts(9, n=2)[1]
+    outs = engine.generate([Request(prompt, max_tokens=8, sampling=SamplingParams(temperature=1.0))] * 12)
+    assert len({o.tokens for o in outs}) > 6

@@ -1,0 +1,238 @@
+"""The KubeRay manifests in k8s/, checked offline.
+
+- They are exactly what scripts/render_k8s.py renders from cluster/examples/h200.yaml (no drift).
+- They validate against the KubeRay CRDs in ../shared/kuberay-crds (jsonschema on the served version's
+  openAPIV3Schema), plus a strict pass for keys the schema does not define (the CRDs accept unknown keys
+  silently), plus KubeRay's replica-count rules; skipped with a message where the CRDs are absent.
+- ``serveConfigV2`` validates against Ray Serve's ``ServeDeploySchema`` with a strict unknown-key pass, and
+  its ``args`` load with ``ClusterConfig.from_dict`` into the config they were rendered from.
+- The worker groups can place every replica and rank the config asks for (``cluster.placement.check_fits``).
+- Deliberately broken copies fail with a readable message.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+from cluster.placement import ACCELERATOR_PREFIX, NodeType, check_fits, role_resources
+from scripts.render_k8s import (DEFAULT_CONFIG, committed_files, render, render_files, unknown_keys,
+                                validate_manifest)
+from scripts.render_serve_config import RenderError, validate_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+CRD_DIR = Path(__file__).parents[2].parent / "shared" / "kuberay-crds"
+FILES = ("rayservice.yaml", "raycluster.yaml", "rayservice-gcs-ft.yaml")
+
+needs_crds = pytest.mark.skipif(
+    not all((CRD_DIR / f).is_file() for f in ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml")),
+    reason=f"KubeRay CRD schemas not found in {CRD_DIR} (../shared/kuberay-crds beside the repository): "
+           "CRD validation of k8s/ skipped")
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((K8S / name).read_text(encoding="utf-8"))
+
+
+def cluster_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["rayClusterConfig"] if doc["kind"] == "RayService" else doc["spec"]
+
+
+def _quantity(value: str) -> float:
+    return float(value)  # cpu and nvidia.com/gpu here are plain integers ("184", "8")
+
+
+def node_types(doc: dict[str, Any]) -> list[NodeType]:
+    """What each group's pods advertise to Ray: CPU and GPU from the container limits (KubeRay's
+    --num-cpus / --num-gpus), custom resources from rayStartParams.resources; head counted once."""
+    spec = cluster_spec(doc)
+    out = []
+    head = spec["headGroupSpec"]
+    out.append(NodeType("head", {"CPU": float(head["rayStartParams"]["num-cpus"])}, max_count=1, min_count=1))
+    for group in spec["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        resources = {"CPU": _quantity(limits["cpu"]), "GPU": _quantity(limits.get("nvidia.com/gpu", "0"))}
+        custom = group.get("rayStartParams", {}).get("resources")
+        if custom:
+            resources.update(json.loads(json.loads(custom)))  # the documented '"{\"name\": n}"' form
+        out.append(NodeType(group["groupName"], resources, max_count=group["maxReplicas"],
+                            min_count=group["minReplicas"]))
+    return out
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+
+
+def test_committed_manifests_are_current() -> None:
+    rendered = committed_files()
+    assert sorted(rendered) == sorted(FILES)
+    for name, text in rendered.items():
+        on_disk = (K8S / name).read_text(encoding="utf-8") if (K8S / name).is_file() else None
+        assert on_disk == text, f"k8s/{name} is stale: run python scripts/render_k8s.py"
+
+
+@pytest.mark.parametrize("name", ["rayservice.yaml", "rayservice-gcs-ft.yaml"])
+def test_serve_config_v2_is_valid_and_carries_the_config(name: str) -> None:
+    text = load(name)["spec"]["serveConfigV2"]
+    assert validate_serve_config(text) == []
+    serve = yaml.safe_load(text)
+    (app,) = serve["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    assert ClusterConfig.from_dict(app["args"]) == ClusterConfig.from_yaml(REPO / DEFAULT_CONFIG)
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    # the same document `ray up` deploys
+    launch = yaml.safe_load((REPO / "cluster/launch/serve-h200.yaml").read_text(encoding="utf-8"))
+    assert serve == launch
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_worker_groups_place_the_config(name: str) -> None:
+    cfg = ClusterConfig.from_yaml(REPO / DEFAULT_CONFIG)
+    nodes = node_types(load(name))
+    assert check_fits(cfg, nodes) == []
+    advertised = {k for n in nodes for k in n.custom if not k.startswith(ACCELERATOR_PREFIX)}
+    assert role_resources(cfg) == advertised
+    by_name = {n.name: n for n in nodes}
+    assert by_name["verifier-h200"].resources[ACCELERATOR_PREFIX + cfg.verifier.accelerator_type] == 1
+    assert by_name["draft-l4"].resources[ACCELERATOR_PREFIX + cfg.draft_pool.accelerator_type] == 1
+
+
+def test_groups_pin_their_machines_and_token_auth_is_on() -> None:
+    spec = cluster_spec(load("rayservice.yaml"))
+    assert spec["authOptions"] == {"mode": "token"}
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    selectors = {g["groupName"]: g["template"]["spec"]["nodeSelector"] for g in spec["workerGroupSpecs"]}
+    assert selectors == {"verifier-h200": {"node.kubernetes.io/instance-type": "p5e.48xlarge"},
+                         "draft-l4": {"node.kubernetes.io/instance-type": "g6.12xlarge"}}
+    for group in spec["workerGroupSpecs"]:
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["SPECSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "specserve-api-key",
+                                                                         "key": "api-key"}
+
+
+def test_gcs_fault_tolerance_flag() -> None:
+    assert "gcsFaultToleranceOptions" not in cluster_spec(load("rayservice.yaml"))
+    ft = cluster_spec(load("rayservice-gcs-ft.yaml"))["gcsFaultToleranceOptions"]
+    assert ft == {"redisAddress": "redis:6379",
+                  "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-password-secret",
+                                                                   "key": "password"}}}}
+    files = render_files(gcs_ft_redis="redis://ha-redis.infra:6379", redis_password_secret=("ha-redis", "pw"))
+    for name in ("rayservice.yaml", "raycluster.yaml"):
+        doc = yaml.safe_load(files[name])
+        assert cluster_spec(doc)["gcsFaultToleranceOptions"]["redisAddress"] == "redis://ha-redis.infra:6379"
+        assert "--gcs-ft-redis redis://ha-redis.infra:6379 --redis-password-secret ha-redis:pw" in files[name]
+
+
+def test_render_refuses_secrets_in_clear_and_disabled_auth() -> None:
+    data = yaml.safe_load((REPO / DEFAULT_CONFIG).read_text(encoding="utf-8"))
+    with_key = copy.deepcopy(data)
+    with_key["http"].pop("api_key_env")
+    with_key["http"]["api_key"] = "s3cret"
+    with pytest.raises(RenderError, match=r"^http\.api_key: would be written in clear"):
+        render(ClusterConfig.from_dict(with_key))
+    open_cluster = copy.deepcopy(data)
+    open_cluster["ray"]["auth_mode"] = "disabled"
+    with pytest.raises(RenderError, match=r"^ray\.auth_mode: .*token"):
+        render(ClusterConfig.from_dict(open_cluster))
+
+
+# ---- CRD validation -------------------------------------------------------------------------------
+
+
+@needs_crds
+@pytest.mark.parametrize("name", FILES)
+def test_manifest_validates_against_kuberay_crd(name: str) -> None:
+    assert validate_manifest(load(name), CRD_DIR) == []
+
+
+def test_strict_pass_skips_maps_and_preserved_objects() -> None:
+    schema = {"type": "object", "properties": {
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "spec": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    doc = {"labels": {"anything": "x"}, "free": {"whatever": {"deep": 1}}, "spec": {"a": 1, "b": 2}}
+    assert unknown_keys(doc, schema) == ["spec.b: unknown key (not in the CRD schema; known here: a)"]
+
+
+def _edit(path: str, action: str, value: Any = None):
+    """Edit ``doc`` at a dotted path (``[i]`` for list items): set, rename to ``value``, or delete."""
+    def apply(doc: dict) -> None:
+        *parents, last = path.split(".")
+        node: Any = doc
+        for p in parents:
+            name, _, index = p.partition("[")
+            node = node[name]
+            if index:
+                node = node[int(index.rstrip("]"))]
+        if action == "set":
+            node[last] = value
+        elif action == "rename":
+            node[value] = node.pop(last)
+        else:
+            del node[last]
+    return apply
+
+
+def _serve_edit(edit):
+    """An edit of the parsed serveConfigV2, written back as YAML."""
+    def apply(doc: dict) -> None:
+        serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        edit(serve)
+        doc["spec"]["serveConfigV2"] = yaml.safe_dump(serve, sort_keys=False)
+    return apply
+
+
+G0 = "spec.rayClusterConfig.workerGroupSpecs[0]"
+BROKEN = [
+    ("typo'd key in a worker group", _edit(f"{G0}.minReplicas", "rename", "minReplica"),
+     "spec.rayClusterConfig.workerGroupSpecs[0].minReplica: unknown key (not in the CRD schema"),
+    ("typo'd key in a container", _edit(f"{G0}.template.spec.containers[0].resources", "rename", "resource"),
+     "spec.rayClusterConfig.workerGroupSpecs[0].template.spec.containers[0].resource: unknown key"),
+    ("typo'd metadata key", _edit("metadata.labels", "rename", "labls"), "metadata.labls: unknown key (ObjectMeta)"),
+    ("wrong type", _edit(f"{G0}.replicas", "set", "4"),
+     "spec.rayClusterConfig.workerGroupSpecs.0.replicas: '4' is not of type 'integer'"),
+    ("wrong enum value", _edit("spec.rayClusterConfig.authOptions.mode", "set", "tokens"),
+     "spec.rayClusterConfig.authOptions.mode: 'tokens' is not one of ['disabled', 'token']"),
+    ("missing required field", _edit(f"{G0}.groupName", "delete"),
+     "spec.rayClusterConfig.workerGroupSpecs.0: 'groupName' is a required property"),
+    ("minReplicas > maxReplicas", _edit(f"{G0}.minReplicas", "set", 5),
+     "spec.rayClusterConfig.workerGroupSpecs[verifier-h200]: minReplicas (5) must be ≤ maxReplicas (4)"),
+    ("replicas outside [min, max]", _edit(f"{G0}.replicas", "set", 9),
+     "workerGroupSpecs[verifier-h200]: replicas (9) must be within [minReplicas 4, maxReplicas 4]"),
+    ("serveConfigV2: typo'd key", _serve_edit(_edit("applications[0].import_path", "rename", "import_pth")),
+     "spec.serveConfigV2: applications[0].import_pth: unknown key (Ray Serve's ServeApplicationSchema ignores it"),
+    ("serveConfigV2: missing required field", _serve_edit(_edit("applications[0].import_path", "delete")),
+     "spec.serveConfigV2: applications.0.import_path: Field required"),
+    ("serveConfigV2: wrong type", _serve_edit(_edit("http_options.port", "set", "eighty")),
+     "spec.serveConfigV2: http_options.port: Input should be a valid integer"),
+    ("serveConfigV2: bad specserve args", _serve_edit(_edit("applications[0].args.verifier.num_groups", "rename",
+                                                            "num_group")),
+     "spec.serveConfigV2: applications[0].args.verifier.num_group: Extra inputs are not permitted"),
+]
+
+
+@needs_crds
+@pytest.mark.parametrize("what,edit,message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_copy_fails_readably(what: str, edit, message: str) -> None:
+    doc = load("rayservice.yaml")
+    edit(doc)
+    problems = validate_manifest(doc, CRD_DIR)
+    assert any(message in p for p in problems), problems
+    assert all("\n" not in p for p in problems), problems
+
+
+@needs_crds
+def test_raycluster_broken_copy_fails_readably() -> None:
+    doc = load("raycluster.yaml")
+    doc["spec"]["workerGroupSpecs"][1]["maxReplicas"] = 0
+    doc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # rayStartParams values are strings
+    problems = validate_manifest(doc, CRD_DIR)
+    assert "spec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'" in problems, problems
+    assert "spec.workerGroupSpecs[draft-l4]: minReplicas (1) must be ≤ maxReplicas (0)" in problems, problems

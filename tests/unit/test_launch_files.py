@@ -1,0 +1,235 @@
+"""The `ray up` launch files in cluster/launch/, checked offline with Ray's own cluster-config schema.
+
+``check_launch_config`` does what ``ray up`` does before touching a cloud (``prepare_config`` fills the
+provider's defaults, ``validate_config`` checks ray-schema.json) plus the per-node-type rule Ray leaves to
+run time (min_workers ≤ max_workers), with one-line messages. Deliberately broken copies must fail with a
+readable message; the reference file's node types must match ``cluster.placement.REFERENCE_NODES`` (which
+the KubeRay manifests are rendered from) and must be able to place the config they deploy.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+from cluster.placement import (ACCELERATOR_PREFIX, REFERENCE_NODES, NodeType, check_fits, role_resources,
+                               sizing_markdown)
+from scripts.render_serve_config import RENDERED, render_file, validate_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "cluster" / "launch"
+# launch file → the ClusterConfig it deploys (through the Serve config rendered from it)
+LAUNCH_FILES = {
+    "reference-4xh200.yaml": "cluster/examples/h200.yaml",
+    "single-node.yaml": "cluster/examples/single-node.yaml",
+}
+
+
+def check_launch_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The prepared config, or ``ValueError`` with a one-line reason (key path first where there is one)."""
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("provider"), dict):
+        raise ValueError("provider: required (a mapping with at least `type`)")
+    try:
+        prepared = prepare_config(copy.deepcopy(raw))
+        # Before Ray's checks, so that the specific message wins over "sum of min_workers > max_workers".
+        for name, node in (prepared.get("available_node_types") or {}).items():
+            lo, hi = node.get("min_workers", 0), node.get("max_workers", 0)
+            if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+                raise ValueError(f"available_node_types.{name}: min_workers ({lo}) must be ≤ max_workers ({hi})")
+        validate_config(prepared)
+    except jsonschema.ValidationError as e:
+        where = ".".join(str(p) for p in e.absolute_path) or "<root>"
+        raise ValueError(f"{where}: {e.message}") from None
+    except (KeyError, TypeError, AttributeError) as e:  # prepare_config indexing a malformed config
+        raise ValueError(f"malformed cluster config: {type(e).__name__}: {e}") from None
+    return prepared
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((LAUNCH / name).read_text(encoding="utf-8"))
+
+
+def node_types(raw: dict[str, Any]) -> list[NodeType]:
+    """The node types a launch file declares, as ``cluster.placement.NodeType`` (head counted once)."""
+    out = []
+    for name, node in raw["available_node_types"].items():
+        head = name == raw["head_node_type"]
+        out.append(NodeType(name, {k: float(v) for k, v in node["resources"].items()},
+                            max_count=1 if head else node.get("max_workers", 0),
+                            min_count=1 if head else node.get("min_workers", 0),
+                            instance_type=node["node_config"].get("InstanceType")))
+    return out
+
+
+def all_commands(raw: dict[str, Any]) -> list[str]:
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+            "head_start_ray_commands", "worker_start_ray_commands")
+    return [c for k in keys for c in raw.get(k) or []]
+
+
+# ---- the committed files ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_FILES))
+def test_launch_file_passes_rays_schema(name: str) -> None:
+    prepared = check_launch_config(load(name))
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_reference_node_types_match_placement_layout() -> None:
+    """ray up and KubeRay (rendered from REFERENCE_NODES) describe the same machines and role resources."""
+    declared = {n.name: n for n in node_types(load("reference-4xh200.yaml"))}
+    assert declared == {n.name: n for n in REFERENCE_NODES}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_FILES))
+def test_launch_file_deploys_its_current_serve_config(name: str) -> None:
+    raw = load(name)
+    config = LAUNCH_FILES[name]
+    serve_file = RENDERED[config]
+    deploys = [c for c in raw["head_start_ray_commands"] if "serve deploy" in c]
+    assert deploys and all(f"~/specserve/{serve_file}" in c for c in deploys), deploys
+    text = (REPO / serve_file).read_text(encoding="utf-8")
+    assert text == render_file(config), f"{serve_file} is stale: run python scripts/render_serve_config.py"
+    assert validate_serve_config(text) == []
+    args = yaml.safe_load(text)["applications"][0]["args"]
+    assert ClusterConfig.from_dict(args) == ClusterConfig.from_yaml(REPO / config)
+
+
+def test_reference_cluster_places_the_h200_config() -> None:
+    cfg = ClusterConfig.from_yaml(REPO / LAUNCH_FILES["reference-4xh200.yaml"])
+    nodes = node_types(load("reference-4xh200.yaml"))
+    assert check_fits(cfg, nodes) == []
+    advertised = {k for n in nodes for k in n.custom if not k.startswith(ACCELERATOR_PREFIX)}
+    assert role_resources(cfg) == advertised == {"specserve_target", "specserve_draft"}
+    # the data-parallel groups need every verifier node from the start
+    assert next(n for n in nodes if n.name == "verifier_h200").min_count == cfg.verifier.num_groups
+
+
+def test_tp16_across_two_nodes_fits_the_reference_cluster() -> None:
+    """The docs' variant for a target too large for one node: TP 16 over two nodes, two groups."""
+    data = yaml.safe_load((REPO / "cluster/examples/h200.yaml").read_text(encoding="utf-8"))
+    data["target"]["tensor_parallel"] = 16
+    data["verifier"].update(num_groups=2, placement_strategy="PACK")
+    cfg = ClusterConfig.from_dict(data)
+    assert check_fits(cfg, node_types(load("reference-4xh200.yaml"))) == []
+    data["verifier"]["num_groups"] = 3
+    problems = check_fits(ClusterConfig.from_dict({**data, "cluster": {"total_gpus": 56, "gpus_per_node": 8}}),
+                          node_types(load("reference-4xh200.yaml")))
+    assert problems and "verifier-rank" in problems[0] and "no room left" in problems[0]
+
+
+def test_a_misspelt_role_resource_is_reported() -> None:
+    data = yaml.safe_load((REPO / "cluster/examples/h200.yaml").read_text(encoding="utf-8"))
+    data["draft_pool"]["resources"] = {"specserve_drafts": 0.5}
+    problems = check_fits(ClusterConfig.from_dict(data), node_types(load("reference-4xh200.yaml")))
+    assert len(problems) == 1 and problems[0].startswith("draft: no node type can host {")
+    assert "specserve_drafts: 0.5" in problems[0]
+
+
+def test_single_node_config_fits_one_gpu_box() -> None:
+    from cluster.placement import SINGLE_NODE
+
+    cfg = ClusterConfig.from_yaml(REPO / LAUNCH_FILES["single-node.yaml"])
+    assert cfg.draft_pool.placement == "colocated" and cfg.target.tensor_parallel == 1
+    assert check_fits(cfg, SINGLE_NODE) == []
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_FILES))
+def test_token_auth_and_api_key_on_every_node(name: str) -> None:
+    raw = load(name)
+    cfg = ClusterConfig.from_yaml(REPO / LAUNCH_FILES[name])
+    assert cfg.ray.auth_mode == "token"
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = [c for c in raw["head_start_ray_commands"] + raw["worker_start_ray_commands"] if "ray start" in c]
+    assert starts, "no ray start command"
+    for cmd in starts:
+        assert "RAY_AUTH_MODE=token" in cmd, cmd
+        assert f'{cfg.http.api_key_env}="$(cat ~/.specserve/api_key)"' in cmd, cmd
+    for cmd in (c for c in all_commands(raw) if "serve deploy" in c):
+        assert "RAY_AUTH_MODE=token" in cmd, cmd
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_FILES))
+def test_commands_use_the_project_environment(name: str) -> None:
+    raw = load(name)
+    assert raw["file_mounts"]["~/specserve"] == "."
+    assert "cd ~/specserve && bash scripts/setup_env.sh" in raw["setup_commands"]
+    for cmd in all_commands(raw):
+        # a bare `ray`/`serve` would be whatever the image has on PATH, not the project's .venv
+        assert not re.search(r"(^|[;&|]\s*)(ray|serve) ", cmd), cmd
+
+
+def test_docs_sizing_table_is_current() -> None:
+    docs = (REPO / "docs" / "platform.md").read_text(encoding="utf-8")
+    assert sizing_markdown() in docs, "docs/platform.md: paste cluster.placement.sizing_markdown() (sizing table)"
+
+
+# ---- deliberately broken copies ---------------------------------------------------------------------
+
+
+def _set(path: str, value: Any):
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return edit
+
+
+def _rename(path: str, new: str):
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[p]
+        node[new] = node.pop(last)
+    return edit
+
+
+def _delete(path: str):
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[p]
+        del node[last]
+    return edit
+
+
+BROKEN = [
+    ("typo'd top-level key", _rename("head_start_ray_commands", "head_start_ray_comands"),
+     "<root>: Additional properties are not allowed ('head_start_ray_comands' was unexpected)"),
+    ("typo'd node-type key", _rename("available_node_types.draft_l4.min_workers", "min_worker"),
+     "available_node_types.draft_l4: Additional properties are not allowed ('min_worker' was unexpected)"),
+    ("wrong type", _set("max_workers", "six"), "max_workers: 'six' is not of type 'integer'"),
+    ("fractional node resource", _set("available_node_types.draft_l4.resources.specserve_draft", 0.5),
+     "available_node_types.draft_l4.resources.specserve_draft: 0.5 is not of type 'integer'"),
+    ("missing required field", _delete("available_node_types.verifier_h200.node_config"),
+     "available_node_types.verifier_h200: 'node_config' is a required property"),
+    ("missing provider", _delete("provider"), "provider: required"),
+    ("min_workers > max_workers", _set("available_node_types.draft_l4.min_workers", 3),
+     "available_node_types.draft_l4: min_workers (3) must be ≤ max_workers (2)"),
+    ("sum of min_workers > max_workers", _set("max_workers", 4),
+     "The specified global `max_workers` is smaller than the sum of `min_workers`"),
+]
+
+
+@pytest.mark.parametrize("what,edit,message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_copy_fails_readably(what: str, edit, message: str) -> None:
+    raw = load("reference-4xh200.yaml")
+    edit(raw)
+    with pytest.raises(ValueError) as info:
+        check_launch_config(raw)
+    text = str(info.value)
+    assert message in text and "\n" not in text, text
