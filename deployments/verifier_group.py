@@ -83,7 +83,7 @@ class VerifierRankActor:
                                  max_slots=opts["max_slots"], max_len=opts["max_len"],
                                  kv_bucket=opts.get("kv_bucket", 16), acceptance=acceptance,
                                  threads=opts.get("threads"), tp_grain_size=opts.get("tp_grain_size"),
-                                 load=opts.get("load", "auto"))
+                                 load=opts.get("load", "full"))
         limits = opts.get("limits") or {}
         self.limits = wire.WireLimits(vocab_size=self.tp.vocab_size,
                                       gamma_max=limits.get("gamma_max", opts["max_len"]),
@@ -129,7 +129,7 @@ class VerifierGroup:
                  num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  accelerator_type: str | None = None, placement_strategy: str | None = None, span_nodes: bool = False,
                  backend: str | None = None, cpu_shm_allreduce: bool = False, omp_threads: int | None = None,
-                 tp_grain_size: int | None = None, load: str = "auto", placement_timeout_s: float = 120.0,
+                 tp_grain_size: int | None = None, load: str = "full", placement_timeout_s: float = 120.0,
                  setup_timeout_s: float = 900.0, verify_timeout_s: float = 300.0, dist_timeout_s: float = 300.0,
                  start: bool = True):
         if tp_size < 1:
