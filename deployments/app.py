@@ -20,6 +20,7 @@ from deployments.router import Router
 from deployments.verifier import Verifier
 
 STAGE_MAX_ONGOING = 256  # stage calls are one per micro-batch step; Serve's default of 5 would throttle them
+STAGE_SHUTDOWN_S = 10.0  # stage calls last milliseconds; a replica going away need not wait Serve's default 20 s
 
 
 def load_config(args: dict[str, Any]) -> ClusterConfig:
@@ -49,7 +50,8 @@ def build_app(args: dict[str, Any]):
     else:
         verifier_opts = _placement(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources)
     verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
-                                max_ongoing_requests=STAGE_MAX_ONGOING).bind(plain)
+                                max_ongoing_requests=STAGE_MAX_ONGOING,
+                                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(plain)
 
     draft = None
     pool = cfg.draft_pool
@@ -63,7 +65,7 @@ def build_app(args: dict[str, Any]):
                                                   "max_replicas": pool.autoscaling.max_replicas,
                                                   "target_ongoing_requests": 2}}
             draft = DraftPool.options(
-                **scaling, max_ongoing_requests=STAGE_MAX_ONGOING,
+                **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
                 ray_actor_options=_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
                                              pool.resources)).bind(plain)
 

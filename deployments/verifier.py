@@ -73,6 +73,11 @@ class Verifier(StageHost):
         return {"calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else None,
                 "sequences": len(runner.seqs) if runner else None}
 
+    def __del__(self):
+        shutdown = getattr(getattr(self, "stage", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()  # rank actors and their process group go with the replica
+
     def check_health(self) -> None:
         health = getattr(self.stage, "health", None)
         if health is not None:

@@ -7,12 +7,14 @@ alone, greedy, one prompt at a time, with Hugging Face ``generate``.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 import torch
 
-from tests.ray.conftest import deploy
+from tests.ray.conftest import delete_app, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -49,15 +51,24 @@ def references(prompts):
     return refs
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tp(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def router(ray_cluster):
+def router(ray_cluster, tp):
+    """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group."""
     from ray import serve
 
     from deployments.app import build_app
 
-    deploy(build_app(ARGS), APP)
+    global APP
+    APP = f"spec-handles-tp{tp}"
+    args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp}}
+    deploy(build_app(args), APP)
     yield serve.get_deployment_handle("Router", app_name=APP)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def _request(prompt):
@@ -170,3 +181,34 @@ def test_health_reports_progress(router):
     assert health["ok"] and health["step_loop_alive"]
     t0 = time.monotonic()
     assert router.health.remote().result()["seconds_since_progress"] < 5 + (time.monotonic() - t0)
+
+
+def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts, references):
+    """TP = 2: kill one rank during 20 streaming requests. Each request ends, within a bound, with its full
+    reference output or an explicit error; the group is rebuilt and later requests succeed."""
+    if tp == 1:
+        pytest.skip("needs a tensor-parallel group")
+    from ray.util.state import list_actors
+
+    from deployments.api import GenerationFailed
+
+    async def one(p, ref):
+        try:
+            return await _collect_stream(router, p) == ref
+        except GenerationFailed:
+            return "error"
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts[:20], references[:20])]
+        start = (await router.info.remote())["stats"]["steps"]
+        while (await router.info.remote())["stats"]["steps"] < start + 3:
+            await asyncio.sleep(0.05)
+        ranks = list_actors(filters=[("class_name", "=", "VerifierRankActor"), ("state", "=", "ALIVE")])
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1].pid, signal.SIGKILL)  # a rank process crashes
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+    results = asyncio.run(scenario())
+    assert all(r is True or r == "error" for r in results), results  # never a silently wrong answer
+    later = [router.generate.remote(_request(p)).result().token_ids for p in prompts[20:24]]
+    assert later == references[20:24]
