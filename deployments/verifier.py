@@ -69,8 +69,10 @@ class Verifier(StageHost):
             await self._run(self.proposer.release, seq_ids)
 
     async def stats(self) -> dict:
+        import ray
+
         runner = getattr(self.stage, "runner", None)
-        return {"calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else None,
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else None,
                 "sequences": len(runner.seqs) if runner else None}
 
     def __del__(self):

@@ -1,0 +1,141 @@
+"""Shared by the OpenAI HTTP tests: Serve's HTTP proxy on a free loopback port, and the tiny-pair app.
+
+Serve's HTTP options are cluster-wide and fixed by the first ``serve.start``/``serve.run`` of the
+session, so ``http_port()`` starts Serve on 127.0.0.1 at a free port (or, when something started it
+already, reads the port it got). ``main_app()`` deploys the app built from ``tests.fixtures_tokenizer``'s
+tiny pair once per session under ``/oa`` (the last module that uses it, ``test_openai_errors``, deletes
+it; a later caller gets it redeployed); test modules that need other router limits deploy their own app
+with ``deploy_app``.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from tests.fixtures_tokenizer import tiny_pair
+from tests.ray.conftest import deploy
+
+MODEL = "tiny-chat"
+MAX_MODEL_LEN = 256
+MAX_BODY = 64 * 1024
+
+
+@dataclass(frozen=True)
+class App:
+    name: str
+    base: str  # e.g. http://127.0.0.1:PORT/oa  (the OpenAI base URL is base + "/v1")
+    api_key: str | None
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def http_port() -> int:
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+        client = _get_global_client()
+    return int(client.http_config.port)
+
+
+def app_args(*, max_running: int = 32, max_queue: int = 16, request_timeout_s: float = 120.0,
+             api_key: str | None = None, **sections) -> dict:
+    pair = tiny_pair()
+    args = {
+        "target": {"path": pair.target, "max_model_len": MAX_MODEL_LEN},
+        "draft": {"kind": "model", "path": pair.draft},
+        "speculation": {"gamma": 4, "gamma_max": 8},
+        "draft_pool": {"num_replicas": 1, "num_cpus": 0.25},
+        "verifier": {"num_cpus": 0.25},
+        "router": {"max_running": max_running, "max_queue": max_queue, "micro_batches": 2,
+                   "request_timeout_s": request_timeout_s, "num_cpus": 0.25},
+        "http": {"model_name": MODEL, "max_body_bytes": MAX_BODY, **({"api_key": api_key} if api_key else {})},
+        "defaults": {"temperature": 0.0, "max_tokens": 32},
+    }
+    for section, values in sections.items():
+        args.setdefault(section, {}).update(values)
+    return args
+
+
+def deploy_app(name: str, prefix: str, args: dict) -> App:
+    from deployments.app import build_app
+
+    port = http_port()
+    deploy(build_app(args), name, route_prefix=prefix)
+    key = (args.get("http") or {}).get("api_key")
+    app = App(name, f"http://127.0.0.1:{port}{prefix}", key)
+    wait_healthy(app)
+    return app
+
+
+def wait_healthy(app: App, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(app.base + "/health", timeout=5)
+            if last.status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.3)
+    raise TimeoutError(f"{app.base}/health not 200 after {timeout_s} s: {last}")
+
+
+_apps: dict[str, App] = {}
+
+
+def main_app() -> App:
+    """The shared app: tiny pair with tokenizer, generous limits, no API key. Deployed once per session
+    (redeployed if another module shut Serve down or deleted it)."""
+    from ray import serve
+
+    from ray.serve.schema import ApplicationStatus
+
+    app = _apps.get("openai")
+    status = serve.status().applications.get("openai")
+    if app is not None and status is not None and status.status == ApplicationStatus.RUNNING:
+        return app
+    deadline = time.monotonic() + 120
+    while "openai" in serve.status().applications:  # being deleted by a module's teardown: let it finish
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"app 'openai' stuck: {serve.status().applications['openai']}")
+        time.sleep(0.5)
+    http_port.cache_clear()
+    app = _apps["openai"] = deploy_app("openai", "/oa", app_args())
+    return app
+
+
+def delete_app(name: str) -> None:
+    """Free an app's replicas for the modules that follow (non-blocking; ``main_app`` redeploys on need)."""
+    from ray import serve
+
+    _apps.pop(name, None)
+    serve.delete(name, _blocking=False)
+
+
+def openai_client(app: App, *, asynchronous: bool = False, **kw):
+    import openai
+
+    cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+    return cls(base_url=app.v1, api_key=app.api_key or "unused", max_retries=0, timeout=kw.pop("timeout", 120),
+               **kw)
