@@ -16,6 +16,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from deployments.draft_pool import DraftPool
+from deployments.ingress import OpenAIIngress
 from deployments.router import Router
 from deployments.verifier import Verifier
 
@@ -79,10 +80,6 @@ def build_app(args: dict[str, Any]):
 
 
 def _ingress(cfg: ClusterConfig, plain: dict, router):
-    try:
-        from deployments.ingress import OpenAIIngress
-    except ImportError:  # the HTTP ingress is optional for handle-only deployments
-        return router
     return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus},
                                  max_ongoing_requests=cfg.router.max_running + cfg.router.max_queue + 64
                                  ).bind(plain, router)
