@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.placement import REFERENCE_NODES, NodeType  # noqa: E402
-from scripts.render_serve_config import RenderError, dump_yaml, serve_config  # noqa: E402
+from scripts.render_serve_config import RenderError, dump_yaml, serve_config, write_or_check  # noqa: E402
 
 DEFAULT_CONFIG = "cluster/examples/h200.yaml"
 DEFAULT_IMAGE = "registry.example.com/specserve:0.1.0"  # replace: the project image (docs/platform.md)
@@ -304,21 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out_dir = REPO / args.out_dir if not Path(args.out_dir).is_absolute() else Path(args.out_dir)
-    stale = []
-    for name, text in files.items():
-        target = out_dir / name
-        if args.check:
-            if not target.is_file() or target.read_text(encoding="utf-8") != text:
-                stale.append(str(target.relative_to(REPO) if target.is_relative_to(REPO) else target))
-            continue
-        out_dir.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-        print(f"wrote {target}", file=sys.stderr)
-    if stale:
-        print(f"stale (re-run scripts/render_k8s.py): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
-
+    return write_or_check({out_dir / name: text for name, text in files.items()}, check=args.check,
+                          script="scripts/render_k8s.py")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -163,24 +163,31 @@ def main(argv: list[str] | None = None) -> int:
         pairs = {args.config: args.out}
     else:
         pairs = dict(RENDERED)
-    stale = []
+    files = {}
     for config, out in pairs.items():
         text = render_file(config)
         if out is None:
             sys.stdout.write(text)
             continue
-        target = REPO / out if not Path(out).is_absolute() else Path(out)
-        if args.check:
+        files[REPO / out if not Path(out).is_absolute() else Path(out)] = text
+    return write_or_check(files, check=args.check, script="scripts/render_serve_config.py")
+
+
+def write_or_check(files: dict[Path, str], *, check: bool, script: str) -> int:
+    """Write rendered files, or with ``check`` report the ones that differ from disk (exit code 1)."""
+    stale = []
+    for target, text in files.items():
+        if check:
             if not target.is_file() or target.read_text(encoding="utf-8") != text:
-                stale.append(out)
+                stale.append(str(target.relative_to(REPO) if target.is_relative_to(REPO) else target))
             continue
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
-        print(f"wrote {out}", file=sys.stderr)
+        print(f"wrote {target}", file=sys.stderr)
     if stale:
-        print(f"stale (re-run scripts/render_serve_config.py): {', '.join(stale)}", file=sys.stderr)
+        print(f"stale (re-run {script}): {', '.join(stale)}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
