@@ -11,6 +11,9 @@ for the verify result); with remote stages on different workers that is the draf
 in-process it degenerates to plain sequential execution. Sequences join and leave between steps
 (continuous batching); a joining sequence is prefilled by its first verify forward and its draft cache
 by its first proposal.
+
+An optional ``GoodputController`` (``verifier/goodput.py``) is asked per micro-batch whether to speculate
+and fed each step's committed tokens and wall time; when it says plain, every row of that step gets γ = 0.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
 from verifier.gamma import GammaPolicy, GammaState
+from verifier.goodput import GoodputController, StepPlan
 from verifier.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
                                VerifyItem, VerifyOutcome)
 from verifier.stats import SpecStats
@@ -121,7 +125,7 @@ class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3):
+                 max_failures: int = 3, goodput: GoodputController | None = None):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -131,6 +135,7 @@ class Engine:
         self.detokenize = detokenize
         self.speculate = speculate
         self.max_failures = max_failures
+        self.goodput = goodput  # measured guard: plain steps for a micro-batch when speculation does not pay
         self.running: dict[int, Sequence] = {}
         self.finished: dict[int, Sequence] = {}  # until collected with ``output``
         self.waiting: list[Sequence] = []
@@ -138,7 +143,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # add/cancel from other threads
         self._next_id = 0
         self._turn = 0
-        self._pending: dict[int, tuple[Pending, list[int]]] = {}  # micro-batch → in-flight proposal
+        self._pending: dict[int, tuple[Pending, list[int], StepPlan | None]] = {}  # micro-batch → in-flight proposal
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
 
     # -- requests --------------------------------------------------------------------------------------
@@ -182,11 +187,13 @@ class Engine:
         k = sorted(groups)[self._turn % len(groups)]
         self._turn += 1
         batch = groups[k]
+        started = self.goodput.clock() if self.goodput is not None else 0.0
 
         pending = self._pending.pop(k, None) or self._submit_propose(k, batch)
         t0 = time.perf_counter()
         proposal: ProposalBatch = pending[0].result()
         waited = time.perf_counter() - t0
+        prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch), proposal, k)
         following = sorted(groups)[self._turn % len(groups)]
         if following != k and following not in self._pending:
@@ -194,17 +201,25 @@ class Engine:
         t0 = time.perf_counter()
         outcome: VerifyOutcome = verify.result()
         self.last_step_wait = waited + time.perf_counter() - t0
-        events.extend(self._commit(batch, proposal, outcome))
+        committed = self._commit(batch, proposal, outcome)
+        plan = pending[2]
+        if plan is not None and not prefill:
+            # Wall time of this step; with several micro-batches it includes drafting the following one
+            # (every step pays one drafting, so the accounting balances in steady state).
+            self.goodput.observe(plan, sum(len(e.new_tokens) for e in committed), self.goodput.clock() - started,
+                                 speculative=any(outcome.num_proposed))
+        events.extend(committed)
         return events
 
-    def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int]]:
+    def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int], StepPlan | None]:
+        plan = self.goodput.choose(len(batch)) if self.goodput is not None and self.speculate else None
         items = []
         for seq in batch:
-            gamma = self._gamma(seq)
+            gamma = 0 if plan is not None and not plan.speculate else self._gamma(seq)
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)
-        return self.stages.submit_propose(items, shard), [seq.seq_id for seq in batch]
+        return self.stages.submit_propose(items, shard), [seq.seq_id for seq in batch], plan
 
     def _gamma(self, seq: Sequence) -> int:
         if not self.speculate:

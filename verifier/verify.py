@@ -73,7 +73,7 @@ class VerifyStage:
         logits = self.runner.forward([it.sync.seq_id for it in live], drafts, [len(d) + 1 for d in drafts])
         logits = logits[:, : G + 1]  # [B, G+1, V]
 
-        temperature, top_k, top_p = sampling_tensors([it.sampling for it in live])
+        temperature, top_k, top_p = sampling_tensors([it.sampling for it in live], logits.device)
         target_probs = warp_probs(logits, temperature, top_k, top_p)
         B, V = len(live), logits.shape[-1]
         draft_tokens = torch.zeros((B, G), dtype=torch.long)
