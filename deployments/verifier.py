@@ -9,6 +9,8 @@ KV cache holds it; a group that restarted answers ``resync`` and the router re-p
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 
 from cluster import wire
@@ -72,8 +74,11 @@ class Verifier(StageHost):
         import ray
 
         runner = getattr(self.stage, "runner", None)
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else None,
-                "sequences": len(runner.seqs) if runner else None}
+        health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls,
+                "slots_in_use": runner.pool.slots_in_use if runner else None,
+                "sequences": len(runner.seqs) if runner else None,
+                "group": await asyncio.to_thread(health) if health is not None else None}
 
     def __del__(self):
         shutdown = getattr(getattr(self, "stage", None), "shutdown", None)

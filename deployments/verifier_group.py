@@ -23,6 +23,7 @@ do not oversubscribe it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -103,7 +104,7 @@ class VerifierRankActor:
 
     @ray.method(concurrency_group="control")
     def health(self) -> dict:
-        return {"rank": self.rank, "ready": self.tp is not None}
+        return {"rank": self.rank, "ready": self.tp is not None, "pid": os.getpid()}
 
     def shutdown(self) -> None:
         if self.tp is not None:

@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # A local single-user test cluster: Ray's token auth is switched off deliberately (see README, Security).
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"

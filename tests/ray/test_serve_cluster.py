@@ -188,7 +188,7 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts,
     reference output or an explicit error; the group is rebuilt and later requests succeed."""
     if tp == 1:
         pytest.skip("needs a tensor-parallel group")
-    from ray.util.state import list_actors
+    from ray import serve
 
     from deployments.api import GenerationFailed
 
@@ -203,9 +203,9 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts,
         start = (await router.info.remote())["stats"]["steps"]
         while (await router.info.remote())["stats"]["steps"] < start + 3:
             await asyncio.sleep(0.05)
-        ranks = list_actors(filters=[("class_name", "=", "VerifierRankActor"), ("state", "=", "ALIVE")])
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[1].pid, signal.SIGKILL)  # a rank process crashes
+        group = (await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote())["group"]
+        assert len(group["ranks"]) == 2, group
+        os.kill(group["ranks"][1]["pid"], signal.SIGKILL)  # a rank process crashes
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     results = asyncio.run(scenario())
