@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Scenario benchmark: JSON / code / prose, plain vs speculative, against the Leviathan bound and HF.
+
+For a (target, draft) pair of local Hugging Face folders (default: the embedded pair in models/default),
+per scenario (the prompt sets in scripts/prompts/), at batch 1 and in one run:
+
+- plain greedy decoding tokens/s of the same engine, speculative tokens/s (adaptive γ), the gain;
+- acceptance rate, mean acceptance length, mean draft length γ, α, the cost ratio c (one draft forward /
+  one target forward, measured here) and the Leviathan bound S = (1−α^(γ+1)) / ((1−α)(γc+1));
+- Hugging Face ``generate`` plain, ``generate(assistant_model=draft)`` and
+  ``generate(prompt_lookup_num_tokens=…)`` on the same pair: their speed-ups over HF plain;
+- the share of JSON outputs ``json.loads`` accepts and of code outputs ``ast.parse`` accepts;
+- a batch-16 row: plain vs speculative throughput of the engine over all prompts;
+- every speculative output checked token-identical to plain greedy decoding (count shown).
+
+    python scripts/bench_scenarios.py [--target DIR --draft DIR] [--max-tokens 64] [--prompts 24]
+    specserve bench scenarios -- --max-tokens 32
+
+Writes bench-out/scenarios.json, bench-out/scenarios.md and bench-out/scenarios.png (gain vs acceptance
+with the bound curve); progress bars on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCENARIOS = ("json", "code", "prose")
+
+
+def load_prompts(name: str, limit: int) -> list[dict]:
+    lines = (REPO / "scripts" / "prompts" / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()][:limit]
+
+
+def json_ok(prompt: str, output: str) -> bool:
+    """Does the prompt's JSON opening plus the output hold one complete, valid JSON value?"""
+    starts = [i for i in (prompt.rfind("{"), prompt.rfind("[")) if i >= 0]
+    text = (prompt[max(starts):] if starts else "") + output
+    try:
+        json.JSONDecoder().raw_decode(text.lstrip())
+        return True
+    except ValueError:
+        return False
+
+
+def code_ok(prompt: str, output: str) -> bool:
+    """Does prompt + output parse as Python once the last, possibly cut-off, line is dropped?
+
+    An output without one complete line counts as a failure: the prompt alone must not pass."""
+    body = output.rsplit("\n", 1)[0] if "\n" in output else ""
+    if not body.strip():
+        return False
+    try:
+        ast.parse(prompt + body)
+        return True
+    except SyntaxError:
+        return False
+
+
+def cost_ratio(target, draft, prompt: list[int], steps: int = 40) -> float:
+    """c = one draft decode forward / one target decode forward, batch 1, same context, median of steps."""
+    import statistics
+
+    from verifier.protocol import SyncItem
+    from verifier.runner import ModelRunner
+
+    def decode_seconds(model) -> float:
+        runner = ModelRunner(model, max_slots=1, max_len=len(prompt) + steps + 2)
+        runner.sync(SyncItem(0, 0, tuple(prompt)))
+        runner.forward([0], [[]], [1])  # prefill
+        times = []
+        for i in range(steps):
+            runner.sync(SyncItem(0, len(prompt) + i, (5,)))
+            t0 = time.perf_counter()
+            runner.forward([0], [[]], [1])
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return decode_seconds(draft) / decode_seconds(target)
+
+
+def leviathan_bound(alpha: float, gamma: float, c: float) -> float:
+    if gamma <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 0.999999)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(REPO / "models" / "default" / "target"))
+    parser.add_argument("--draft", default=str(REPO / "models" / "default" / "draft"))
+    parser.add_argument("--prompts", type=int, default=24, help="prompts per scenario")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4, help="initial γ of the adaptive policy")
+    parser.add_argument("--gamma-max", type=int, default=8)
+    parser.add_argument("--fixed-gamma", action="store_true")
+    parser.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    parser.add_argument("--batch", type=int, default=16, help="batch size of the throughput row")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face comparisons")
+    parser.add_argument("--out", default="bench-out/scenarios")
+    args = parser.parse_args()
+
+    import torch
+    from tqdm import tqdm
+
+    from verifier.engine import Request
+    from verifier.factory import EngineSettings, make_engine
+    from verifier.models import check_vocab_compatible, load_causal_lm, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    check_vocab_compatible(args.target, args.draft)
+    tok = load_tokenizer(args.target)
+    target = load_causal_lm(args.target, "float32", "cpu")
+    draft = load_causal_lm(args.draft, "float32", "cpu")
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    max_len = min(1024, target.config.max_position_embeddings)
+
+    def engine(speculative: bool, slots: int = 1):
+        settings = EngineSettings(target=args.target, draft=args.draft if speculative else None, device="cpu",
+                                  dtype="float32", max_len=max_len, max_slots=slots, gamma=args.gamma,
+                                  gamma_max=args.gamma_max, adaptive=not args.fixed_gamma)
+        return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
+
+    def run_engine(speculative: bool, prompt_ids, desc: str):
+        """Batch 1, one prompt after another; returns outputs, seconds, engine."""
+        eng = engine(speculative)
+        eng.generate([Request(tuple(prompt_ids[0]), max_tokens=4)])  # warm-up (allocator, first-call costs)
+        eng.stats = type(eng.stats)()
+        outs, seconds = [], 0.0
+        for ids in tqdm(prompt_ids, desc=desc, file=sys.stderr, leave=False):
+            t0 = time.perf_counter()
+            outs.extend(eng.generate([Request(tuple(ids), max_tokens=args.max_tokens)]))
+            seconds += time.perf_counter() - t0
+        return outs, seconds, eng
+
+    def run_hf(prompt_ids, desc: str, **kwargs):
+        tokens, seconds = 0, 0.0
+        with torch.inference_mode():
+            for ids in tqdm(prompt_ids, desc=desc, file=sys.stderr, leave=False):
+                x = torch.tensor([ids])
+                t0 = time.perf_counter()
+                out = target.generate(x, max_new_tokens=args.max_tokens, do_sample=False,
+                                      pad_token_id=tok.pad_token_id or 0, **kwargs)
+                seconds += time.perf_counter() - t0
+                tokens += out.shape[1] - x.shape[1]
+        return tokens, seconds
+
+    rows, identical_total, compared_total = [], 0, 0
+    for scenario in SCENARIOS:
+        prompts = load_prompts(scenario, args.prompts)
+        prompt_ids = [tok(p["prompt"])["input_ids"] for p in prompts]
+        plain, t_plain, eng_plain = run_engine(False, prompt_ids, f"{scenario}: plain")
+        spec, t_spec, eng_spec = run_engine(True, prompt_ids, f"{scenario}: speculative")
+        identical = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
+        identical_total += identical
+        compared_total += len(plain)
+        tokens_plain = sum(len(o.tokens) for o in plain)
+        tokens_spec = sum(len(o.tokens) for o in spec)
+        c = cost_ratio(target, draft, prompt_ids[0])
+        st = eng_spec.stats
+        bound = leviathan_bound(st.alpha, st.mean_gamma, c)
+        gain = (tokens_spec / t_spec) / (tokens_plain / t_plain)
+        texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in spec]
+        row = {"scenario": scenario, "prompts": len(prompts), "plain_tok_s": tokens_plain / t_plain,
+               "spec_tok_s": tokens_spec / t_spec, "gain": gain, "acceptance_rate": st.acceptance_rate,
+               "acceptance_length": st.acceptance_length, "mean_gamma": st.mean_gamma, "alpha": st.alpha,
+               "c": c, "bound": bound, "gain_over_bound": gain / bound, "identical": identical,
+               "per_position_acceptance": st.per_position()}
+        if scenario == "json":
+            row["json_valid_share"] = sum(json_ok(p["prompt"], t) for p, t in zip(prompts, texts)) / len(texts)
+        if scenario == "code":
+            row["code_parse_share"] = sum(code_ok(p["prompt"], t) for p, t in zip(prompts, texts)) / len(texts)
+        row["samples"] = [{"prompt": p["prompt"], "output": t} for p, t in zip(prompts[:2], texts[:2])]
+        if not args.skip_hf:
+            tok_hf, t_hf = run_hf(prompt_ids, f"{scenario}: HF plain")
+            tok_as, t_as = run_hf(prompt_ids, f"{scenario}: HF assisted", assistant_model=draft)
+            tok_pl, t_pl = run_hf(prompt_ids, f"{scenario}: HF prompt lookup",
+                                  prompt_lookup_num_tokens=args.prompt_lookup)
+            row.update(hf_plain_tok_s=tok_hf / t_hf, hf_assisted_gain=(tok_as / t_as) / (tok_hf / t_hf),
+                       hf_prompt_lookup_gain=(tok_pl / t_pl) / (tok_hf / t_hf))
+            row["gain_over_hf_assisted"] = gain / row["hf_assisted_gain"]
+        rows.append(row)
+
+    # Batch row: every prompt, `batch` sequences at a time, plain vs speculative throughput.
+    all_ids = [tok(p["prompt"])["input_ids"] for s in SCENARIOS for p in load_prompts(s, args.prompts)]
+    batch_row = {"batch": args.batch}
+    for speculative in (False, True):
+        eng = engine(speculative, slots=args.batch)
+        t0, tokens = time.perf_counter(), 0
+        for i in tqdm(range(0, len(all_ids), args.batch), desc=f"batch {args.batch} {'spec' if speculative else 'plain'}",
+                      file=sys.stderr, leave=False):
+            outs = eng.generate([Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + args.batch]])
+            tokens += sum(len(o.tokens) for o in outs)
+        batch_row["spec_tok_s" if speculative else "plain_tok_s"] = tokens / (time.perf_counter() - t0)
+        if speculative:
+            batch_row["mean_gamma"] = eng.stats.mean_gamma
+    batch_row["gain"] = batch_row["spec_tok_s"] / batch_row["plain_tok_s"]
+
+    report = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
+              "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "args": vars(args),
+              "scenarios": rows, "batch": batch_row, "identical": identical_total, "compared": compared_total}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(table)
+    print(f"\nwrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+def markdown(report: dict) -> str:
+    hf = "hf_assisted_gain" in report["scenarios"][0]
+    head = ["scenario", "gain", "bound S", "gain/S", "acceptance rate", "acceptance length", "mean γ", "α", "c"]
+    if hf:
+        head += ["HF assisted", "HF prompt lookup", "gain / HF assisted"]
+    head += ["plain tok/s*", "spec tok/s*", "identical", "valid"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["scenarios"]:
+        cells = [r["scenario"], f"{r['gain']:.2f}×", f"{r['bound']:.2f}×", f"{r['gain_over_bound']:.2f}",
+                 f"{r['acceptance_rate']:.1%}", f"{r['acceptance_length']:.2f}", f"{r['mean_gamma']:.2f}",
+                 f"{r['alpha']:.3f}", f"{r['c']:.3f}"]
+        if hf:
+            cells += [f"{r['hf_assisted_gain']:.2f}×", f"{r['hf_prompt_lookup_gain']:.2f}×",
+                      f"{r['gain_over_hf_assisted']:.2f}"]
+        valid = (f"json.loads {r['json_valid_share']:.0%}" if "json_valid_share" in r else
+                 f"ast.parse {r['code_parse_share']:.0%}" if "code_parse_share" in r else "")
+        cells += [f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}", f"{r['identical']}/{r['prompts']}", valid]
+        lines.append("| " + " | ".join(cells) + " |")
+    b = report["batch"]
+    lines.append("")
+    lines.append(f"Batch {b['batch']}: plain {b['plain_tok_s']:.1f} tok/s*, speculative {b['spec_tok_s']:.1f} tok/s* "
+                 f"(gain {b['gain']:.2f}×, mean γ {b['mean_gamma']:.2f}). Greedy identity: "
+                 f"{report['identical']}/{report['compared']} speculative outputs equal plain decoding.")
+    lines.append(f"*absolute figures: {report['machine']}, {report['date']}.")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    alphas = [i / 100 for i in range(0, 100)]
+    for r in rows:
+        curve = [leviathan_bound(a, r["mean_gamma"], r["c"]) for a in alphas]
+        ax.plot(alphas, curve, lw=0.8, alpha=0.6, label=f"bound, γ={r['mean_gamma']:.1f}, c={r['c']:.2f}")
+        ax.scatter([r["alpha"]], [r["gain"]], zorder=3)
+        ax.annotate(r["scenario"], (r["alpha"], r["gain"]), textcoords="offset points", xytext=(4, 4))
+        if "hf_assisted_gain" in r:
+            ax.scatter([r["alpha"]], [r["hf_assisted_gain"]], marker="x", color="grey", zorder=3)
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xlabel("α (per-position acceptance)")
+    ax.set_ylabel("throughput gain over plain decoding")
+    ax.set_title("specserve gain (dots), HF assisted (×), Leviathan bound (lines)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
