@@ -444,7 +444,7 @@ class ClusterConfig(_Spec):
         except OSError as e:
             raise ConfigError(f"{p}: cannot read config: {e}") from e
         try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            data = _safe_load_unique(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: invalid YAML: {e}") from e
         if data is None:
@@ -588,6 +588,15 @@ def _merge_seeds(native: dict[str, Any], block: Any) -> dict[str, str]:
             )
         section[field] = value
     return {native_key: origin for native_key, (_, origin) in mapped.items()}
+
+
+def _safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` that also refuses duplicate keys (a SafeLoader subclass, no arbitrary objects)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -136,6 +136,8 @@ def ray_cluster_spec(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_r
         }
     spec["headGroupSpec"] = {
         # num-cpus 0: no replica lands on the head; Serve's controller and proxy reserve no CPU.
+        # dashboard-host 0.0.0.0 inside the pod: the KubeRay operator deploys serveConfigV2 and reads Serve's
+        # status through the dashboard API via the head Service; token auth (authOptions) guards it.
         "rayStartParams": {"num-cpus": str(int(head.resources.get("CPU", 0))), "dashboard-host": "0.0.0.0"},
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": NAME, "specserve/role": "head"}},
@@ -202,7 +204,11 @@ def load_crd_schema(crd_dir: Path, kind: str) -> dict[str, Any]:
     """The ``openAPIV3Schema`` of the served, storage version of the KubeRay CRD for ``kind`` (cached: the
     CRD files are ~1 MB each; libyaml's loader where PyYAML has it)."""
     file = crd_dir / f"ray.io_{kind.lower()}s.yaml"
-    crd = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(file.read_text(encoding="utf-8"))  # safe loaders only
+    try:
+        crd = loader.get_single_data()
+    finally:
+        loader.dispose()
     versions = [v for v in crd["spec"]["versions"] if v.get("served") and v.get("storage")]
     if not versions:
         raise ValueError(f"{file}: no served storage version")
