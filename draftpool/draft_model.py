@@ -61,15 +61,24 @@ class DraftModelProposer:
             if not active:
                 break
             logits = self.runner.forward([seq_ids[b] for b in active], [drafts[b] for b in active],
-                                         [1] * len(active))[:, 0:1].cpu()  # [A, 1, V]
-            idx = torch.tensor(active)
-            probs = warp_probs(logits, temperature[idx], top_k[idx], top_p[idx])[:, 0]  # [A, V]
-            raw_top = logits[:, 0].float().softmax(-1).max(-1).values  # draft confidence, before warping
+                                         [1] * len(active))[:, 0].cpu()  # [A, V]
+            argmax = logits.argmax(-1).tolist()  # greedy rows' tokens: argmax of one-hot q is argmax of logits
+            probs = None
+            if sampled:
+                idx = torch.tensor(active)
+                probs = warp_probs(logits.unsqueeze(1), temperature[idx], top_k[idx], top_p[idx])[:, 0]  # [A, V]
+            unsure = [False] * len(active)
+            if self.confidence_threshold and i > 0:
+                # The draft's confidence is its top probability before warping.
+                unsure = (logits.float().softmax(-1).amax(-1) < self.confidence_threshold).tolist()
             still = []
             for a, b in enumerate(active):
-                if self.confidence_threshold and i > 0 and float(raw_top[a]) < self.confidence_threshold:
+                if unsure[a]:
                     continue  # an unsure draft token is likely rejected: stop this chain here
-                token, ids, ps = self._draw(probs[a], items[b].sampling.greedy, gens.get(b), K)
+                if items[b].sampling.greedy:
+                    token, ids, ps = self._one_hot(argmax[a], K)
+                else:
+                    token, ids, ps = self._draw(probs[a], gens[b], K)
                 tokens[b, i] = token
                 if K:
                     q_ids[b, i], q_probs[b, i] = ids, ps
@@ -84,17 +93,19 @@ class DraftModelProposer:
         batch.draft_seconds = time.perf_counter() - t0
         return batch
 
-    def _draw(self, probs: torch.Tensor, greedy: bool, gen: torch.Generator | None, K: int
-              ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    @staticmethod
+    def _one_hot(token: int, K: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """A greedy row's draft token with its one-hot q as sparse (ids [K], probs [K]) when K > 0."""
+        if not K:
+            return token, None, None
+        ids = torch.zeros(K, dtype=torch.long)
+        ps = torch.zeros(K)
+        ids[0], ps[0] = token, 1.0
+        return token, ids, ps
+
+    def _draw(self, probs: torch.Tensor, gen: torch.Generator, K: int
+              ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """One draft token from q = probs [V]; returns (token, q support ids [K], q probs [K])."""
-        if greedy:
-            token = int(probs.argmax())
-            if not K:
-                return token, None, None
-            ids = torch.zeros(K, dtype=torch.long)
-            ps = torch.zeros(K)
-            ids[0], ps[0] = token, 1.0
-            return token, ids, ps
         if self.q_top_k:
             ps, ids = probs.topk(K)
             ps = ps / ps.sum()

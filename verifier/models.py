@@ -11,6 +11,8 @@ import json
 import os
 import torch
 
+from verifier.cpu_linear import pack_linears
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -127,8 +129,11 @@ def noisy_copy(model, noise: float, seed: int):
     return draft.eval()
 
 
-def build_model(spec, device: str | None = "auto", dtype: str = "auto"):
+def build_model(spec, device: str | None = "auto", dtype: str = "auto", *, cpu_kernels: bool = True):
     """A model from a serialisable spec, so Ray workers can each build their own copy.
+
+    With ``cpu_kernels``, a float32 model on the CPU gets oneDNN-prepacked Linear layers
+    (``verifier.cpu_linear``); callers that shard or move the model afterwards pass False.
 
     ``spec`` is a local HF folder path, ``{"path": folder, "dtype": ...}``, or ``{"tiny": {...kwargs of
     tiny_llama}, "noise": float, "noise_seed": int}`` (a tiny model from config; with ``noise``, a noisy
@@ -137,11 +142,15 @@ def build_model(spec, device: str | None = "auto", dtype: str = "auto"):
     if isinstance(spec, str):
         spec = {"path": spec}
     if "path" in spec:
-        return load_causal_lm(spec["path"], spec.get("dtype", dtype), device)
-    model = tiny_llama(**spec["tiny"])
-    if spec.get("noise"):
-        model = noisy_copy(model, spec["noise"], spec.get("noise_seed", 1))
-    return model.to(resolve_device(device))
+        model = load_causal_lm(spec["path"], spec.get("dtype", dtype), device)
+    else:
+        model = tiny_llama(**spec["tiny"])
+        if spec.get("noise"):
+            model = noisy_copy(model, spec["noise"], spec.get("noise_seed", 1))
+        model = model.to(resolve_device(device))
+    if cpu_kernels:
+        pack_linears(model)
+    return model
 
 
 BUILTIN_TINY = "builtin:tiny"

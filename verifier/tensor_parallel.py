@@ -281,7 +281,7 @@ def load_target(spec, *, tp_size: int, device: torch.device, dtype: torch.dtype,
     if load != "full":
         raise ValueError(f"load must be 'full' or 'meta', got {load!r}")
     # Sharding happens on the host (AutoTP then moves the shards to the device): build on the CPU.
-    model = build_model(spec, "cpu", dtype)
+    model = build_model(spec, "cpu", dtype, cpu_kernels=False)  # AutoTP must see plain nn.Linear
     check_tp_divides(model.config, tp_size)
     model = shard_model(model.to(dtype=dtype), tp_size, dtype=dtype, tp_grain_size=tp_grain_size)
     return model.to(device=device).eval(), "full"

@@ -140,4 +140,5 @@ def test_tiny_models_are_deterministic_and_noisy_copy_is_a_copy():
     assert not torch.equal(_hf_logits(noisy, tokens), before)
     assert torch.equal(_hf_logits(noisy_copy(a, 0.0, 1), tokens), before)
     spec = build_model({"tiny": {"seed": 0}, "noise": 0.1, "noise_seed": 1}, device="cpu")
-    assert torch.equal(_hf_logits(spec, tokens), _hf_logits(noisy, tokens))
+    # build_model packs the Linear layers for the CPU (verifier/cpu_linear.py): same weights, other kernels.
+    torch.testing.assert_close(_hf_logits(spec, tokens), _hf_logits(noisy, tokens), rtol=1e-5, atol=1e-5)
