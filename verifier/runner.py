@@ -134,31 +134,31 @@ class ModelRunner:
             state.cached.extend(feed)
             state.valid = len(state.tokens)
 
+        # Rows in slot order, so that a contiguous run of slots is read as a view instead of gathered.
+        # Built from Python lists in one go: for batch-1 decoding this bookkeeping is a visible share of
+        # a small model's step.
+        order = sorted(range(B), key=lambda b: states[b].slot)
+        slots = [states[b].slot for b in order]
         T = max(len(f) for f in feeds)
         N = max(num_logits)
-        ids = torch.zeros((B, T), dtype=torch.long)
-        logit_index = torch.zeros((B, N), dtype=torch.long)
-        for b, (feed, n) in enumerate(zip(feeds, num_logits)):
-            ids[b, : len(feed)] = torch.tensor(feed, dtype=torch.long)
-            logit_index[b, :n] = torch.arange(len(feed) - n, len(feed))
-        slots = torch.tensor([s.slot for s in states], dtype=torch.long)
-        start = torch.tensor(starts, dtype=torch.long)
-        lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
-        kv_len = min(self.max_len, -(-int((start + lengths).max()) // self.kv_bucket) * self.kv_bucket)
-
-        # Sort rows by slot so that a contiguous run of slots is read as a view instead of gathered.
-        order = torch.argsort(slots)
-        sorted_slots = slots[order]
-        first = int(sorted_slots[0])
-        contiguous = first if int(sorted_slots[-1]) - first == B - 1 else None
+        ids = torch.tensor([feeds[b] + [0] * (T - len(feeds[b])) for b in order], dtype=torch.long)
+        logit_index = torch.tensor([list(range(len(feeds[b]) - num_logits[b], len(feeds[b])))
+                                    + [0] * (N - num_logits[b]) for b in order], dtype=torch.long)
+        start = torch.tensor([starts[b] for b in order], dtype=torch.long)
+        lengths = torch.tensor([len(feeds[b]) for b in order], dtype=torch.long)
+        end = max(st + len(f) for st, f in zip(starts, feeds))
+        kv_len = min(self.max_len, -(-end // self.kv_bucket) * self.kv_bucket)
+        contiguous = slots[0] if slots[-1] - slots[0] == B - 1 else None
         dev = self.device
-        logits = fwd.forward(self.model, self.pool, self.windows, sorted_slots.to(dev), start[order].to(dev),
-                             ids[order].to(dev), lengths[order].to(dev), logit_index[order].to(dev), kv_len,
-                             contiguous)
-        out = torch.empty_like(logits)
-        out[order.to(dev)] = logits
+        logits = fwd.forward(self.model, self.pool, self.windows, torch.tensor(slots, dtype=torch.long, device=dev),
+                             start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len, contiguous)
+        if order != list(range(B)):
+            inverse = [0] * B
+            for i, b in enumerate(order):
+                inverse[b] = i
+            logits = logits[torch.tensor(inverse, device=dev)]
         self.tick += 1
         self.stats.calls += 1
-        self.stats.tokens_fed += int(lengths.sum())
+        self.stats.tokens_fed += sum(len(f) for f in feeds)
         self.stats.seconds += time.perf_counter() - t0
-        return out
+        return logits
