@@ -172,6 +172,14 @@ class SpeculationSpec(_Spec):
         description="Support size K of the proposal distribution q sent with sampled drafts; the draft "
         "samples from its top-K-truncated distribution, so verification stays exact.",
     )
+    goodput_guard: bool = Field(
+        False,
+        description="Measure committed tokens per second of speculative and of plain steps per batch-size "
+        "bucket (plain probes every few steps) and decode plainly where speculation does not pay. Exact "
+        "either way: plain steps are verify steps without drafts. Off by default: its probes cost batch-1 "
+        "gain on short runs (scripts/bench_scenarios.py reports both); meant for long-running, "
+        "high-batch services.",
+    )
     max_parallel_drafts: Literal[1] = Field(
         1, description="Proposals per sequence per step; 1 until multi-draft verification exists."
     )

@@ -28,7 +28,7 @@ from deployments.metrics import RouterMetrics
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
 from verifier.engine import Engine, Output, Request, StepEvent
-from verifier.factory import make_policy
+from verifier.factory import make_goodput, make_policy
 from verifier.models import load_tokenizer
 from verifier.protocol import SamplingParams
 
@@ -120,7 +120,7 @@ class Router:
             self.engine = Engine(self.stages, policy=make_policy(settings), eos_token_ids=eos,
                                  max_len=settings.max_len, max_running=cfg.router.max_running,
                                  micro_batches=settings.micro_batches, detokenize=self._detokenize,
-                                 speculate=settings.draft is not None)
+                                 speculate=settings.draft is not None, goodput=make_goodput(settings))
         self.live: dict[int, _Live] = {}
         self._lock = threading.Lock()  # live + engine.add from the event loop vs the step thread
         self._wake = threading.Event()
@@ -316,7 +316,8 @@ class Router:
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
                 "fallbacks": stages.fallbacks if stages else 0,
                 "shard_prefix": stages.shard_prefix if stages else None, "stats": self.engine.stats.as_dict(),
-                "in_flight": len(self.live)}
+                "in_flight": len(self.live),
+                "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
 
     async def kv_usage(self) -> dict:
         """KV slots in use in the verifier and the draft pool, and the cancelled-request counter.

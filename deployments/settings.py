@@ -30,7 +30,8 @@ def engine_settings(cfg: ClusterConfig, *, max_slots: int | None = None) -> Engi
         gamma_max=spec.gamma_max, adaptive=spec.adaptive, confidence_threshold=spec.confidence_threshold,
         q_top_k=spec.q_top_k, ngram_min=cfg.draft.ngram_min, ngram_max=cfg.draft.ngram_max,
         acceptance=AcceptanceConfig(mode=spec.acceptance, threshold=spec.threshold or 0.9,
-                                    dynamic_adjust=spec.dynamic_adjust, target_rate=spec.target_acceptance))
+                                    dynamic_adjust=spec.dynamic_adjust, target_rate=spec.target_acceptance),
+        goodput_guard=spec.goodput_guard)
 
 
 def wire_limits(cfg: ClusterConfig) -> WireLimits:

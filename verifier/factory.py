@@ -10,6 +10,7 @@ from typing import Any
 
 from verifier.engine import Engine, LocalStages
 from verifier.gamma import GammaPolicy
+from verifier.goodput import GoodputController
 from verifier.models import build_model, check_vocab_compatible
 from verifier.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
@@ -33,6 +34,7 @@ class EngineSettings:
     ngram_min: int = 1
     ngram_max: int = 4
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    goodput_guard: bool = False  # measure speculative vs plain goodput; decode plainly where it does not pay
 
 
 def make_proposer(settings: EngineSettings, draft_model=None):
@@ -53,6 +55,11 @@ def make_policy(settings: EngineSettings) -> GammaPolicy:
                        adaptive=settings.adaptive)
 
 
+def make_goodput(settings: EngineSettings) -> GoodputController | None:
+    """The measured guard (``verifier/goodput.py``) when there is something to guard."""
+    return GoodputController() if settings.goodput_guard and settings.draft is not None else None
+
+
 def spec_path(spec) -> str | None:
     """The local folder behind a model spec, if it has one."""
     if isinstance(spec, str) and spec != "ngram":
@@ -71,4 +78,4 @@ def make_engine(settings: EngineSettings, *, target_model=None, draft_model=None
     proposer = make_proposer(settings, draft_model)
     return Engine(LocalStages(verifier, proposer), policy=make_policy(settings), eos_token_ids=eos_token_ids,
                   max_len=settings.max_len, max_running=settings.max_slots, micro_batches=settings.micro_batches,
-                  detokenize=detokenize, speculate=proposer is not None)
+                  detokenize=detokenize, speculate=proposer is not None, goodput=make_goodput(settings))
