@@ -9,9 +9,16 @@ per scenario (the prompt sets in scripts/prompts/), at batch 1 and in one run:
   one target forward, measured here) and the Leviathan bound S = (1−α^(γ+1)) / ((1−α)(γc+1));
 - Hugging Face ``generate`` plain, ``generate(assistant_model=draft)`` and
   ``generate(prompt_lookup_num_tokens=…)`` on the same pair: their speed-ups over HF plain;
-- the share of JSON outputs ``json.loads`` accepts and of code outputs ``ast.parse`` accepts;
+- the share of JSON outputs ``json.loads`` accepts and of code outputs ``ast.parse`` accepts (and, stricter,
+  of code outputs whose function holds a statement that is not a string: comments alone parse too);
 - a batch-16 row: plain vs speculative throughput of the engine over all prompts;
-- every speculative output checked token-identical to plain greedy decoding (count shown).
+- every speculative output checked token-identical to plain greedy decoding (count shown), and the
+  engine's plain output compared with HF's.
+
+Every prompt goes through all five runs in turn (engine plain, engine speculative, HF plain, HF assisted,
+HF prompt lookup), so the ratios are measured side by side. Models are built as ``serve`` builds them
+(``verifier.models.build_model``; on CPU that prepacks the Linear weights, see ``verifier/cpu_linear.py``)
+and HF generates with the same model objects.
 
     python scripts/bench_scenarios.py [--target DIR --draft DIR] [--max-tokens 64] [--prompts 24]
     specserve bench scenarios -- --max-tokens 32
@@ -33,6 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from verifier.gamma import expected_speedup as leviathan_bound  # noqa: E402  S(α, γ, c), DESIGN.md §2
 
 SCENARIOS = ("json", "code", "prose")
 
@@ -67,33 +76,45 @@ def code_ok(prompt: str, output: str) -> bool:
         return False
 
 
+def code_has_statement(prompt: str, output: str) -> bool:
+    """Stricter than ``code_ok``: the completed function must also hold a statement that is not a string.
+
+    Comments vanish in the AST and a stray docstring is a string expression, so a body of only those
+    parses but is not an implementation; this share says how often the model wrote actual code."""
+    body = output.rsplit("\n", 1)[0] if "\n" in output else ""
+    try:
+        tree = ast.parse(prompt + body)
+    except SyntaxError:
+        return False
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return any(not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+               for d in defs for stmt in d.body)
+
+
 def cost_ratio(target, draft, prompt: list[int], steps: int = 40) -> float:
-    """c = one draft decode forward / one target decode forward, batch 1, same context, median of steps."""
+    """c = one draft decode forward / one target decode forward, batch 1, same context.
+
+    The two alternate, as they do in the speculative loop, so each finds the caches the other left
+    (measured back to back, the small draft would run from a warm cache it never has in practice).
+    Median of ``steps`` each.
+    """
     import statistics
 
     from verifier.protocol import SyncItem
     from verifier.runner import ModelRunner
 
-    def decode_seconds(model) -> float:
-        runner = ModelRunner(model, max_slots=1, max_len=len(prompt) + steps + 2)
+    runners = [ModelRunner(m, max_slots=1, max_len=len(prompt) + steps + 2) for m in (draft, target)]
+    times: list[list[float]] = [[], []]
+    for runner in runners:
         runner.sync(SyncItem(0, 0, tuple(prompt)))
         runner.forward([0], [[]], [1])  # prefill
-        times = []
-        for i in range(steps):
+    for i in range(steps):
+        for runner, record in zip(runners, times):
             runner.sync(SyncItem(0, len(prompt) + i, (5,)))
             t0 = time.perf_counter()
             runner.forward([0], [[]], [1])
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return decode_seconds(draft) / decode_seconds(target)
-
-
-def leviathan_bound(alpha: float, gamma: float, c: float) -> float:
-    if gamma <= 0:
-        return 1.0
-    alpha = min(max(alpha, 0.0), 0.999999)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+            record.append(time.perf_counter() - t0)
+    return statistics.median(times[0]) / statistics.median(times[1])
 
 
 def main() -> int:
@@ -117,96 +138,111 @@ def main() -> int:
 
     from verifier.engine import Request
     from verifier.factory import EngineSettings, make_engine
-    from verifier.models import check_vocab_compatible, load_causal_lm, load_tokenizer
+    from verifier.models import build_model, check_vocab_compatible, load_tokenizer
 
     torch.set_num_threads(args.threads)
     check_vocab_compatible(args.target, args.draft)
     tok = load_tokenizer(args.target)
-    target = load_causal_lm(args.target, "float32", "cpu")
-    draft = load_causal_lm(args.draft, "float32", "cpu")
+    # build_model is what serving uses (CPU float32: oneDNN-prepacked Linear layers); HF generate runs on
+    # these same model objects, so both sides get the same kernels.
+    target = build_model(args.target, "cpu", "float32")
+    draft = build_model(args.draft, "cpu", "float32")
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     max_len = min(1024, target.config.max_position_embeddings)
 
-    def engine(speculative: bool, slots: int = 1):
+    def engine(speculative: bool, slots: int = 1, guard: bool = False):
         settings = EngineSettings(target=args.target, draft=args.draft if speculative else None, device="cpu",
                                   dtype="float32", max_len=max_len, max_slots=slots, gamma=args.gamma,
-                                  gamma_max=args.gamma_max, adaptive=not args.fixed_gamma)
+                                  gamma_max=args.gamma_max, adaptive=not args.fixed_gamma, goodput_guard=guard)
         return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
 
-    def run_engine(speculative: bool, prompt_ids, desc: str):
-        """Batch 1, one prompt after another; returns outputs, seconds, engine."""
-        eng = engine(speculative)
-        eng.generate([Request(tuple(prompt_ids[0]), max_tokens=4)])  # warm-up (allocator, first-call costs)
-        eng.stats = type(eng.stats)()
-        outs, seconds = [], 0.0
-        for ids in tqdm(prompt_ids, desc=desc, file=sys.stderr, leave=False):
-            t0 = time.perf_counter()
-            outs.extend(eng.generate([Request(tuple(ids), max_tokens=args.max_tokens)]))
-            seconds += time.perf_counter() - t0
-        return outs, seconds, eng
+    def engine_run(eng):
+        def run(ids):
+            return list(eng.generate([Request(tuple(ids), max_tokens=args.max_tokens)])[0].tokens)
+        return run
 
-    def run_hf(prompt_ids, desc: str, **kwargs):
-        tokens, seconds = 0, 0.0
-        with torch.inference_mode():
-            for ids in tqdm(prompt_ids, desc=desc, file=sys.stderr, leave=False):
+    def hf_run(**kwargs):
+        def run(ids):
+            with torch.inference_mode():
                 x = torch.tensor([ids])
-                t0 = time.perf_counter()
                 out = target.generate(x, max_new_tokens=args.max_tokens, do_sample=False,
                                       pad_token_id=tok.pad_token_id or 0, **kwargs)
-                seconds += time.perf_counter() - t0
-                tokens += out.shape[1] - x.shape[1]
-        return tokens, seconds
+            return out[0, x.shape[1]:].tolist()
+        return run
 
     rows, identical_total, compared_total = [], 0, 0
     for scenario in SCENARIOS:
         prompts = load_prompts(scenario, args.prompts)
         prompt_ids = [tok(p["prompt"])["input_ids"] for p in prompts]
-        plain, t_plain, eng_plain = run_engine(False, prompt_ids, f"{scenario}: plain")
-        spec, t_spec, eng_spec = run_engine(True, prompt_ids, f"{scenario}: speculative")
-        identical = sum(a.tokens == b.tokens for a, b in zip(plain, spec))
+        eng_plain, eng_spec = engine(False), engine(True)
+        runs = {"plain": engine_run(eng_plain), "spec": engine_run(eng_spec)}
+        if not args.skip_hf:
+            runs.update(hf_plain=hf_run(), hf_assisted=hf_run(assistant_model=draft),
+                        hf_lookup=hf_run(prompt_lookup_num_tokens=args.prompt_lookup))
+        for run in runs.values():
+            run(prompt_ids[0][:8])  # warm-up: allocator, oneDNN primitives, first-call costs
+        eng_spec.stats = type(eng_spec.stats)()
+        # Interleaved: every prompt goes through every run in turn (order alternating), so a slow spell
+        # of this shared machine lands on all of them alike instead of on whichever ran then.
+        outputs = {name: [] for name in runs}
+        seconds = dict.fromkeys(runs, 0.0)
+        for i, ids in enumerate(tqdm(prompt_ids, desc=scenario, file=sys.stderr, leave=False)):
+            for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                t0 = time.perf_counter()
+                outputs[name].append(runs[name](ids))
+                seconds[name] += time.perf_counter() - t0
+        tok_s = {name: sum(map(len, outputs[name])) / seconds[name] for name in runs}
+        identical = sum(a == b for a, b in zip(outputs["plain"], outputs["spec"]))
         identical_total += identical
-        compared_total += len(plain)
-        tokens_plain = sum(len(o.tokens) for o in plain)
-        tokens_spec = sum(len(o.tokens) for o in spec)
+        compared_total += len(prompt_ids)
         c = cost_ratio(target, draft, prompt_ids[0])
         st = eng_spec.stats
         bound = leviathan_bound(st.alpha, st.mean_gamma, c)
-        gain = (tokens_spec / t_spec) / (tokens_plain / t_plain)
-        texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in spec]
-        row = {"scenario": scenario, "prompts": len(prompts), "plain_tok_s": tokens_plain / t_plain,
-               "spec_tok_s": tokens_spec / t_spec, "gain": gain, "acceptance_rate": st.acceptance_rate,
+        gain = tok_s["spec"] / tok_s["plain"]
+        texts = [tok.decode(o, skip_special_tokens=True) for o in outputs["spec"]]
+        row = {"scenario": scenario, "prompts": len(prompts), "plain_tok_s": tok_s["plain"],
+               "spec_tok_s": tok_s["spec"], "gain": gain, "acceptance_rate": st.acceptance_rate,
                "acceptance_length": st.acceptance_length, "mean_gamma": st.mean_gamma, "alpha": st.alpha,
                "c": c, "bound": bound, "gain_over_bound": gain / bound, "identical": identical,
-               "per_position_acceptance": st.per_position()}
+               "per_position_acceptance": st.per_position(),
+               "draft_ms_per_step": 1e3 * st.draft_seconds / max(st.steps, 1),
+               "verify_ms_per_step": 1e3 * st.verify_seconds / max(st.steps, 1),
+               "plain_ms_per_token": 1e3 / tok_s["plain"]}
         if scenario == "json":
             row["json_valid_share"] = sum(json_ok(p["prompt"], t) for p, t in zip(prompts, texts)) / len(texts)
         if scenario == "code":
             row["code_parse_share"] = sum(code_ok(p["prompt"], t) for p, t in zip(prompts, texts)) / len(texts)
+            row["code_statement_share"] = (sum(code_has_statement(p["prompt"], t) for p, t in zip(prompts, texts))
+                                           / len(texts))
         row["samples"] = [{"prompt": p["prompt"], "output": t} for p, t in zip(prompts[:2], texts[:2])]
         if not args.skip_hf:
-            tok_hf, t_hf = run_hf(prompt_ids, f"{scenario}: HF plain")
-            tok_as, t_as = run_hf(prompt_ids, f"{scenario}: HF assisted", assistant_model=draft)
-            tok_pl, t_pl = run_hf(prompt_ids, f"{scenario}: HF prompt lookup",
-                                  prompt_lookup_num_tokens=args.prompt_lookup)
-            row.update(hf_plain_tok_s=tok_hf / t_hf, hf_assisted_gain=(tok_as / t_as) / (tok_hf / t_hf),
-                       hf_prompt_lookup_gain=(tok_pl / t_pl) / (tok_hf / t_hf))
+            row.update(hf_plain_tok_s=tok_s["hf_plain"], hf_assisted_gain=tok_s["hf_assisted"] / tok_s["hf_plain"],
+                       hf_prompt_lookup_gain=tok_s["hf_lookup"] / tok_s["hf_plain"])
             row["gain_over_hf_assisted"] = gain / row["hf_assisted_gain"]
+            row["plain_matches_hf"] = sum(a == b for a, b in zip(outputs["plain"], outputs["hf_plain"]))
         rows.append(row)
 
-    # Batch row: every prompt, `batch` sequences at a time, plain vs speculative throughput.
+    # Batch row: every prompt, `batch` sequences at a time: plain, speculative (serve's defaults) and
+    # speculative with the opt-in goodput guard, interleaved per group of prompts.
     all_ids = [tok(p["prompt"])["input_ids"] for s in SCENARIOS for p in load_prompts(s, args.prompts)]
-    batch_row = {"batch": args.batch}
-    for speculative in (False, True):
-        eng = engine(speculative, slots=args.batch)
-        t0, tokens = time.perf_counter(), 0
-        for i in tqdm(range(0, len(all_ids), args.batch), desc=f"batch {args.batch} {'spec' if speculative else 'plain'}",
-                      file=sys.stderr, leave=False):
-            outs = eng.generate([Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + args.batch]])
-            tokens += sum(len(o.tokens) for o in outs)
-        batch_row["spec_tok_s" if speculative else "plain_tok_s"] = tokens / (time.perf_counter() - t0)
-        if speculative:
-            batch_row["mean_gamma"] = eng.stats.mean_gamma
+    batch_engines = {"plain": engine(False, slots=args.batch), "spec": engine(True, slots=args.batch),
+                     "spec_guarded": engine(True, slots=args.batch, guard=True)}
+    batch_out = {name: [] for name in batch_engines}
+    batch_s = dict.fromkeys(batch_engines, 0.0)
+    for i in tqdm(range(0, len(all_ids), args.batch), desc=f"batch {args.batch}", file=sys.stderr, leave=False):
+        group = [Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + args.batch]]
+        for name, eng in batch_engines.items():
+            t0 = time.perf_counter()
+            batch_out[name].extend(o.tokens for o in eng.generate(group))
+            batch_s[name] += time.perf_counter() - t0
+    batch_row = {"batch": args.batch, "prompts": len(all_ids),
+                 "identical": sum(a == b for a, b in zip(batch_out["plain"], batch_out["spec"]))}
+    for name in batch_engines:
+        batch_row[f"{name}_tok_s"] = sum(map(len, batch_out[name])) / batch_s[name]
+    batch_row["mean_gamma"] = batch_engines["spec"].stats.mean_gamma
+    batch_row["mean_gamma_guarded"] = batch_engines["spec_guarded"].stats.mean_gamma
     batch_row["gain"] = batch_row["spec_tok_s"] / batch_row["plain_tok_s"]
+    batch_row["gain_guarded"] = batch_row["spec_guarded_tok_s"] / batch_row["plain_tok_s"]
 
     report = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
               "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "args": vars(args),
@@ -237,14 +273,18 @@ def markdown(report: dict) -> str:
             cells += [f"{r['hf_assisted_gain']:.2f}×", f"{r['hf_prompt_lookup_gain']:.2f}×",
                       f"{r['gain_over_hf_assisted']:.2f}"]
         valid = (f"json.loads {r['json_valid_share']:.0%}" if "json_valid_share" in r else
-                 f"ast.parse {r['code_parse_share']:.0%}" if "code_parse_share" in r else "")
+                 f"ast.parse {r['code_parse_share']:.0%}, with a statement {r['code_statement_share']:.0%}"
+                 if "code_parse_share" in r else "")
         cells += [f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}", f"{r['identical']}/{r['prompts']}", valid]
         lines.append("| " + " | ".join(cells) + " |")
     b = report["batch"]
     lines.append("")
-    lines.append(f"Batch {b['batch']}: plain {b['plain_tok_s']:.1f} tok/s*, speculative {b['spec_tok_s']:.1f} tok/s* "
-                 f"(gain {b['gain']:.2f}×, mean γ {b['mean_gamma']:.2f}). Greedy identity: "
-                 f"{report['identical']}/{report['compared']} speculative outputs equal plain decoding.")
+    lines.append(f"Batch {b['batch']} ({b['prompts']} prompts): plain {b['plain_tok_s']:.1f} tok/s*, speculative "
+                 f"{b['spec_tok_s']:.1f} tok/s* (gain {b['gain']:.2f}×, mean γ {b['mean_gamma']:.2f}; with the "
+                 f"goodput guard {b['spec_guarded_tok_s']:.1f} tok/s*, {b['gain_guarded']:.2f}×, mean γ "
+                 f"{b['mean_gamma_guarded']:.2f}); {b['identical']}/{b['prompts']} identical to plain.")
+    lines.append(f"Greedy identity at batch 1: {report['identical']}/{report['compared']} speculative outputs equal "
+                 f"plain decoding.")
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}.")
     return "\n".join(lines)
 
