@@ -889,6 +889,20 @@ def kd_loss(draft_logits, target_logits, labels, alpha):
     return alpha * kl + (1 - alpha) * ce, kl.detach(), ce.detach()
 
 
+def distill_step(draft, opt_d, x, doms, target_logits, lr, kd_alpha, ema_d) -> float:
+    """One draft update towards the target's logits on batch ``x``; returns the step's KL."""
+    import torch
+    set_lr(opt_d, lr)
+    dl = draft(input_ids=x).logits
+    lossd, kl, _ = kd_loss(dl, target_logits, x, kd_alpha)
+    lossd.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt_d.step()
+    opt_d.zero_grad(set_to_none=True)
+    ema_d.update(doms, lm_loss_per_row(dl.detach(), x).tolist())
+    return float(kl)
+
+
 def lm_loss_per_row(logits, ids):
     import torch.nn.functional as F
     lp = F.log_softmax(logits[:, :-1].float(), -1)
@@ -1221,15 +1235,9 @@ def main(argv=None):
         opt_t.zero_grad(set_to_none=True)
         ema_t.update(doms, per_row.detach().tolist())
         if step >= joint_start:
-            set_lr(opt_d, lr_at(dstep, draft_total, args.warmup, args.draft_lr))
-            dl = draft(input_ids=x).logits
-            lossd, kl, ce = kd_loss(dl, out.logits.detach(), x, args.kd_alpha)
-            lossd.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            opt_d.step()
-            opt_d.zero_grad(set_to_none=True)
-            ema_d.update(doms, lm_loss_per_row(dl.detach(), x).tolist())
-            kl_ema = float(kl) if kl_ema is None else 0.95 * kl_ema + 0.05 * float(kl)
+            kl = distill_step(draft, opt_d, x, doms, out.logits.detach(),
+                              lr_at(dstep, draft_total, args.warmup, args.draft_lr), args.kd_alpha, ema_d)
+            kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
             dstep += 1
         step += 1
         pbar.update(1)
@@ -1270,15 +1278,9 @@ def main(argv=None):
         doms, x = data.batch(args.batch_size)
         with torch.no_grad():
             tl = target(input_ids=x).logits
-        set_lr(opt_d, lr_at(dstep, draft_total, args.warmup, args.draft_lr))
-        dl = draft(input_ids=x).logits
-        lossd, kl, ce = kd_loss(dl, tl, x, args.kd_alpha)
-        lossd.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt_d.step()
-        opt_d.zero_grad(set_to_none=True)
-        ema_d.update(doms, lm_loss_per_row(dl.detach(), x).tolist())
-        kl_ema = float(kl) if kl_ema is None else 0.95 * kl_ema + 0.05 * float(kl)
+        kl = distill_step(draft, opt_d, x, doms, tl, lr_at(dstep, draft_total, args.warmup, args.draft_lr),
+                          args.kd_alpha, ema_d)
+        kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
         dstep += 1
         pbar.update(1)
         pbar.set_postfix_str(f"draft {ema_d.fmt()} kl={kl_ema:.2f}")
