@@ -62,18 +62,21 @@ def json_ok(prompt: str, output: str) -> bool:
         return False
 
 
-def code_ok(prompt: str, output: str) -> bool:
-    """Does prompt + output parse as Python once the last, possibly cut-off, line is dropped?
+def completed_code(prompt: str, output: str) -> ast.Module | None:
+    """prompt + output parsed as Python once the last, possibly cut-off, line is dropped; None if it fails.
 
     An output without one complete line counts as a failure: the prompt alone must not pass."""
     body = output.rsplit("\n", 1)[0] if "\n" in output else ""
     if not body.strip():
-        return False
+        return None
     try:
-        ast.parse(prompt + body)
-        return True
+        return ast.parse(prompt + body)
     except SyntaxError:
-        return False
+        return None
+
+
+def code_ok(prompt: str, output: str) -> bool:
+    return completed_code(prompt, output) is not None
 
 
 def code_has_statement(prompt: str, output: str) -> bool:
@@ -81,12 +84,8 @@ def code_has_statement(prompt: str, output: str) -> bool:
 
     Comments vanish in the AST and a stray docstring is a string expression, so a body of only those
     parses but is not an implementation; this share says how often the model wrote actual code."""
-    body = output.rsplit("\n", 1)[0] if "\n" in output else ""
-    try:
-        tree = ast.parse(prompt + body)
-    except SyntaxError:
-        return False
-    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    tree = completed_code(prompt, output)
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] if tree else []
     return any(not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
                for d in defs for stmt in d.body)
 
