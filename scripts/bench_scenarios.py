@@ -4,7 +4,8 @@
 For a (target, draft) pair of local Hugging Face folders (default: the embedded pair in models/default),
 per scenario (the prompt sets in scripts/prompts/), at batch 1 and in one run:
 
-- plain greedy decoding tokens/s of the same engine, speculative tokens/s (adaptive γ), the gain;
+- plain greedy decoding tokens/s of the same engine, speculative tokens/s (adaptive γ), the gain, and the
+  gain of specserve's own n-gram (prompt lookup) proposer beside HF's;
 - acceptance rate, mean acceptance length, mean draft length γ, α, the cost ratio c (one draft forward /
   one target forward, measured here) and the Leviathan bound S = (1−α^(γ+1)) / ((1−α)(γc+1));
 - Hugging Face ``generate`` plain, ``generate(assistant_model=draft)`` and
@@ -15,8 +16,8 @@ per scenario (the prompt sets in scripts/prompts/), at batch 1 and in one run:
 - every speculative output checked token-identical to plain greedy decoding (count shown), and the
   engine's plain output compared with HF's.
 
-Every prompt goes through all five runs in turn (engine plain, engine speculative, HF plain, HF assisted,
-HF prompt lookup), so the ratios are measured side by side. Models are built as ``serve`` builds them
+Every prompt goes through all six runs in turn (engine plain, engine speculative with the draft, engine
+n-gram, HF plain, HF assisted, HF prompt lookup), so the ratios are measured side by side. Models are built as ``serve`` builds them
 (``verifier.models.build_model``; on CPU that prepacks the Linear weights, see ``verifier/cpu_linear.py``)
 and HF generates with the same model objects.
 
@@ -149,8 +150,9 @@ def main() -> int:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     max_len = min(1024, target.config.max_position_embeddings)
 
-    def engine(speculative: bool, slots: int = 1, guard: bool = False):
-        settings = EngineSettings(target=args.target, draft=args.draft if speculative else None, device="cpu",
+    def engine(proposer: str | None, slots: int = 1, guard: bool = False):
+        """proposer: the draft folder, "ngram" (prompt lookup) or None (plain decoding)."""
+        settings = EngineSettings(target=args.target, draft=proposer, device="cpu",
                                   dtype="float32", max_len=max_len, max_slots=slots, gamma=args.gamma,
                                   gamma_max=args.gamma_max, adaptive=not args.fixed_gamma, goodput_guard=guard)
         return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
@@ -173,8 +175,8 @@ def main() -> int:
     for scenario in SCENARIOS:
         prompts = load_prompts(scenario, args.prompts)
         prompt_ids = [tok(p["prompt"])["input_ids"] for p in prompts]
-        eng_plain, eng_spec = engine(False), engine(True)
-        runs = {"plain": engine_run(eng_plain), "spec": engine_run(eng_spec)}
+        eng_spec = engine(args.draft)
+        runs = {"plain": engine_run(engine(None)), "spec": engine_run(eng_spec), "ngram": engine_run(engine("ngram"))}
         if not args.skip_hf:
             runs.update(hf_plain=hf_run(), hf_assisted=hf_run(assistant_model=draft),
                         hf_lookup=hf_run(prompt_lookup_num_tokens=args.prompt_lookup))
@@ -192,6 +194,7 @@ def main() -> int:
                 seconds[name] += time.perf_counter() - t0
         tok_s = {name: sum(map(len, outputs[name])) / seconds[name] for name in runs}
         identical = sum(a == b for a, b in zip(outputs["plain"], outputs["spec"]))
+        ngram_identical = sum(a == b for a, b in zip(outputs["plain"], outputs["ngram"]))
         identical_total += identical
         compared_total += len(prompt_ids)
         c = cost_ratio(target, draft, prompt_ids[0])
@@ -206,7 +209,8 @@ def main() -> int:
                "per_position_acceptance": st.per_position(),
                "draft_ms_per_step": 1e3 * st.draft_seconds / max(st.steps, 1),
                "verify_ms_per_step": 1e3 * st.verify_seconds / max(st.steps, 1),
-               "plain_ms_per_token": 1e3 / tok_s["plain"]}
+               "plain_ms_per_token": 1e3 / tok_s["plain"],
+               "ngram_gain": tok_s["ngram"] / tok_s["plain"], "ngram_identical": ngram_identical}
         if scenario == "json":
             row["json_valid_share"] = sum(json_ok(p["prompt"], t) for p, t in zip(prompts, texts)) / len(texts)
         if scenario == "code":
@@ -224,8 +228,8 @@ def main() -> int:
     # Batch row: every prompt, `batch` sequences at a time: plain, speculative (serve's defaults) and
     # speculative with the opt-in goodput guard, interleaved per group of prompts.
     all_ids = [tok(p["prompt"])["input_ids"] for s in SCENARIOS for p in load_prompts(s, args.prompts)]
-    batch_engines = {"plain": engine(False, slots=args.batch), "spec": engine(True, slots=args.batch),
-                     "spec_guarded": engine(True, slots=args.batch, guard=True)}
+    batch_engines = {"plain": engine(None, slots=args.batch), "spec": engine(args.draft, slots=args.batch),
+                     "spec_guarded": engine(args.draft, slots=args.batch, guard=True)}
     batch_out = {name: [] for name in batch_engines}
     batch_s = dict.fromkeys(batch_engines, 0.0)
     for i in tqdm(range(0, len(all_ids), args.batch), desc=f"batch {args.batch}", file=sys.stderr, leave=False):
@@ -262,7 +266,7 @@ def markdown(report: dict) -> str:
     head = ["scenario", "gain", "bound S", "gain/S", "acceptance rate", "acceptance length", "mean γ", "α", "c"]
     if hf:
         head += ["HF assisted", "HF prompt lookup", "gain / HF assisted"]
-    head += ["plain tok/s*", "spec tok/s*", "identical", "valid"]
+    head += ["n-gram (specserve)", "plain tok/s*", "spec tok/s*", "identical", "valid"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["scenarios"]:
         cells = [r["scenario"], f"{r['gain']:.2f}×", f"{r['bound']:.2f}×", f"{r['gain_over_bound']:.2f}",
@@ -274,7 +278,8 @@ def markdown(report: dict) -> str:
         valid = (f"json.loads {r['json_valid_share']:.0%}" if "json_valid_share" in r else
                  f"ast.parse {r['code_parse_share']:.0%}, with a statement {r['code_statement_share']:.0%}"
                  if "code_parse_share" in r else "")
-        cells += [f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}", f"{r['identical']}/{r['prompts']}", valid]
+        cells += [f"{r['ngram_gain']:.2f}×", f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}",
+                  f"{r['identical']}/{r['prompts']}", valid]
         lines.append("| " + " | ".join(cells) + " |")
     b = report["batch"]
     lines.append("")
@@ -282,8 +287,9 @@ def markdown(report: dict) -> str:
                  f"{b['spec_tok_s']:.1f} tok/s* (gain {b['gain']:.2f}×, mean γ {b['mean_gamma']:.2f}; with the "
                  f"goodput guard {b['spec_guarded_tok_s']:.1f} tok/s*, {b['gain_guarded']:.2f}×, mean γ "
                  f"{b['mean_gamma_guarded']:.2f}); {b['identical']}/{b['prompts']} identical to plain.")
+    ngram = sum(r["ngram_identical"] for r in report["scenarios"])
     lines.append(f"Greedy identity at batch 1: {report['identical']}/{report['compared']} speculative outputs equal "
-                 f"plain decoding.")
+                 f"plain decoding (draft model); n-gram proposer {ngram}/{report['compared']}.")
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}.")
     return "\n".join(lines)
 

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.timeout(300),
 ROW = {"scenario", "prompts", "plain_tok_s", "spec_tok_s", "gain", "acceptance_rate", "acceptance_length",
        "mean_gamma", "alpha", "c", "bound", "gain_over_bound", "identical", "per_position_acceptance",
        "draft_ms_per_step", "verify_ms_per_step", "plain_ms_per_token", "samples", "hf_plain_tok_s",
-       "hf_assisted_gain", "hf_prompt_lookup_gain", "gain_over_hf_assisted", "plain_matches_hf"}
+       "hf_assisted_gain", "hf_prompt_lookup_gain", "gain_over_hf_assisted", "plain_matches_hf", "ngram_gain",
+       "ngram_identical"}
 
 
 def test_small_run_writes_a_complete_report(tmp_path):
@@ -36,7 +37,7 @@ def test_small_run_writes_a_complete_report(tmp_path):
     assert [r["scenario"] for r in report["scenarios"]] == ["json", "code", "prose"]
     for row in report["scenarios"]:
         assert ROW <= set(row), ROW - set(row)
-        assert row["prompts"] == 2 and row["identical"] == 2
+        assert row["prompts"] == 2 and row["identical"] == 2 and row["ngram_identical"] == 2
         assert row["plain_matches_hf"] == 2  # the engine's plain decoding is HF's greedy decoding
         assert row["bound"] > 0 and row["c"] > 0 and 0 <= row["alpha"] <= 1
     assert 0 <= report["scenarios"][0]["json_valid_share"] <= 1
@@ -48,6 +49,6 @@ def test_small_run_writes_a_complete_report(tmp_path):
     assert {"plain_tok_s", "spec_tok_s", "spec_guarded_tok_s", "gain", "gain_guarded"} <= set(batch)
     table = out.with_suffix(".md").read_text()
     assert table.startswith("| scenario |") and table.count("\n| ") == 3  # 3 data rows after the header and its rule line
-    assert "Greedy identity at batch 1: 6/6" in table
+    assert "Greedy identity at batch 1: 6/6" in table and "n-gram proposer 6/6" in table
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert "| json |" in done.stdout
