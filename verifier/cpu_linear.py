@@ -2,10 +2,10 @@
 
 Why: with stock ``nn.Linear`` on CPU, a one-row input runs as a GEMV but two or more rows run as a GEMM
 that repacks the weight on every call. On a memory-bound CPU, a (γ+1)-token verify forward then costs
-1.4–1.7× a one-token step (measured on the default pair: scripts/bench_scenarios.py). The Leviathan
-model, and the whole point of speculation, assume that verifying γ+1 tokens costs about what one token
-costs. If the weights are reordered once into oneDNN's blocked layout, a 2–16 row product costs about
-what one row does, and a verify of 5 tokens costs ~1.2× a one-token step instead of ~1.5×. One-row
+~1.6× a one-token step (the default pair's target, 5 tokens, on a 2-core VM). The Leviathan model, and
+the whole point of speculation, assume that verifying γ+1 tokens costs about what one token costs. If
+the weights are reordered once into oneDNN's blocked layout, a 2–16 row product costs about what one row
+does, and the same 5-token verify costs ~1.2× a one-token step. One-row
 inputs (batch-1 decoding, most draft steps) keep the stock GEMV, which is as fast or faster there.
 
 What it costs: a second copy of each Linear weight. The original stays in place, so the module is still
