@@ -145,6 +145,7 @@ class Engine:
         self._turn = 0
         self._pending: dict[int, tuple[Pending, list[int], StepPlan | None]] = {}  # micro-batch → in-flight proposal
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
+        self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -186,12 +187,18 @@ class Engine:
             return events
         k = sorted(groups)[self._turn % len(groups)]
         self._turn += 1
-        batch = groups[k]
         started = self.goodput.clock() if self.goodput is not None else 0.0
 
-        pending = self._pending.pop(k, None) or self._submit_propose(k, batch)
+        pending = self._pending.pop(k, None)
+        # Verify exactly the rows the in-flight proposal was drafted for: a sequence that joined the group
+        # after it went out waits for the group's next turn (a verify of rows the proposal lacks would be
+        # refused and re-prefill the whole group); one that left since is dropped from the proposal.
+        batch = self._drafted_for(pending, groups[k]) if pending is not None else []
+        if not batch:
+            batch = groups[k]
+            pending = self._submit_propose(k, batch)
         t0 = time.perf_counter()
-        proposal: ProposalBatch = pending[0].result()
+        proposal: ProposalBatch = pending[0].result().select([s.seq_id for s in batch])
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch), proposal, k)
@@ -220,6 +227,12 @@ class Engine:
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)
         return self.stages.submit_propose(items, shard), [seq.seq_id for seq in batch], plan
+
+    @staticmethod
+    def _drafted_for(pending: tuple[Pending, list[int], StepPlan | None], group: list[Sequence]) -> list[Sequence]:
+        """The group's sequences that ``pending`` was drafted for, in the proposal's row order."""
+        members = {s.seq_id: s for s in group}
+        return [members[i] for i in pending[1] if i in members]
 
     def _gamma(self, seq: Sequence) -> int:
         if not self.speculate:
@@ -251,6 +264,8 @@ class Engine:
             if seq_id in outcome.resync:
                 # The verifier lost this sequence (restart, rebuild): re-prefill from the committed
                 # tokens next turn — or give up explicitly if that keeps failing.
+                if seq.verifier_base > 0:
+                    self.verifier_resyncs += 1
                 seq.verifier_base = 0
                 seq.failures += 1
                 if seq.failures > self.max_failures:

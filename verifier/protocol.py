@@ -83,6 +83,23 @@ class ProposalBatch:
     def row_tokens(self, b: int) -> list[int]:
         return self.tokens[b, : int(self.lengths[b])].tolist()
 
+    def select(self, seq_ids: Sequence[int]) -> "ProposalBatch":
+        """The rows of ``seq_ids`` (each must be a row of this batch), in that order."""
+        if list(seq_ids) == self.seq_ids:
+            return self
+        row = {s: b for b, s in enumerate(self.seq_ids)}
+        rows = torch.tensor([row[s] for s in seq_ids], dtype=torch.long)
+        keep = set(seq_ids)
+        return ProposalBatch(
+            seq_ids=list(seq_ids),
+            tokens=self.tokens[rows],
+            lengths=self.lengths[rows],
+            q_ids=None if self.q_ids is None else self.q_ids[rows],
+            q_probs=None if self.q_probs is None else self.q_probs[rows],
+            resync=[s for s in self.resync if s in keep],
+            draft_seconds=self.draft_seconds,
+        )
+
 
 @dataclass(frozen=True)
 class VerifyItem:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.helpers import MAX_NEW, draft_runner, make_engine, make_prompts, run_to_end, target_runner
-from verifier.engine import Request
+from cluster import wire
+from tests.unit.helpers import (MAX_LEN, MAX_NEW, VOCAB, draft_runner, make_engine, make_prompts, run_to_end,
+                                target_runner)
+from verifier.engine import Done, Engine, LocalStages, Request
 from verifier.kv_cache import KVPoolFull
 from verifier.protocol import SyncItem
 from verifier.runner import ModelRunner, SequenceTooLong
@@ -185,3 +187,41 @@ def test_runner_limits_and_resync(target):
         runner.sync(SyncItem(0, 3, tuple(range(3, 17))))
     runner.release([0, 1, 99])
     assert runner.pool.slots_in_use == 0 and not runner.holds(0)
+
+
+class WireStages(LocalStages):
+    """In-process stages whose frames go through the real wire codec, so a verify whose rows differ from
+    its proposal's is refused exactly as the verifier deployment refuses it."""
+
+    def __init__(self, engine: Engine, limits: wire.WireLimits):
+        super().__init__(engine.stages.verifier, engine.stages.proposer)
+        self.limits = limits
+
+    def submit_propose(self, items, shard=0):
+        items = wire.decode_propose(wire.encode_propose(items), self.limits)
+        return Done(wire.decode_proposal(wire.encode_proposal(super().submit_propose(items, shard).result()),
+                                         self.limits))
+
+    def submit_verify(self, items, proposal, shard=0):
+        items, proposal = wire.decode_verify(wire.encode_verify(items, proposal), self.limits)
+        return super().submit_verify(items, proposal, shard)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_joins_never_meet_a_proposal_in_flight(micro_batches, target, noisy_draft, prompts, refs):
+    """Sequences that join while their micro-batch's proposal is in flight wait for the group's next turn:
+    no verify is refused, nothing re-prefills, every output is the reference."""
+    engine = make_engine(target, noisy_draft, gamma=4, micro_batches=micro_batches)
+    engine.stages = WireStages(engine, wire.WireLimits(vocab_size=VOCAB, gamma_max=8, max_batch=64, max_seq_len=MAX_LEN))
+    ids = {}
+    for i in range(len(prompts)):  # one arrival per step: every join lands while a proposal is in flight
+        ids[i] = engine.add(Request(prompts[i], max_tokens=MAX_NEW))
+        engine.step()
+        if i == 9:
+            engine.cancel(ids[4])  # a row of an in-flight proposal leaves
+    run_to_end(engine)
+    for i in range(len(prompts)):
+        out = engine.output(ids[i])
+        expected = refs[i][: len(out.tokens)] if i == 4 else refs[i]
+        assert out.tokens == expected, f"prompt {i}"
+    assert engine.verifier_resyncs == 0
