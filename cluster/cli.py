@@ -1,8 +1,9 @@
 """The ``specserve`` console script.
 
     specserve generate --prompt "Convert to JSON: name Ada, age 36\\n{"      # embedded default pair
-    specserve generate --target DIR --draft DIR|ngram|none --prompt ... --gamma 4 --fixed-gamma
+    specserve generate --target DIR|X.gguf --draft DIR|Y.gguf|ngram|none --prompt ... --gamma 4 --fixed-gamma
     specserve serve [--config cluster/examples/local.yaml]                   # Ray Serve app, HTTP + handles
+    specserve plan [--config X]                      # memory plan and threads per replica; exit 1 if unfit
     specserve bench scenarios ...                                            # scripts/bench_scenarios.py
 
 Heavy imports happen inside the subcommands so ``specserve --help`` is instant.
@@ -70,9 +71,44 @@ def _stats_line(stats) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.config import ConfigError
+    from cluster.memory_plan import PlanError
     from deployments.launch import serve_forever
 
-    return serve_forever(config_path=args.config, host=args.host, port=args.port)
+    try:
+        return serve_forever(config_path=args.config, host=args.host, port=args.port)
+    except (ConfigError, PlanError) as exc:  # refused before anything was deployed: the message says why
+        print(f"specserve serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what every replica of the config will hold, and whether it fits this machine as one node."""
+    from cluster.config import ConfigError
+    from cluster.memory_plan import PlanError, plan
+    from cluster.node import cpu_cores, memory_available
+    from cluster.threads import node_threads
+    from deployments.launch import load_launch_config
+
+    try:
+        cfg = load_launch_config(args.config)
+        app = plan(cfg)
+    except ValueError as exc:
+        print(f"specserve plan: {exc}", file=sys.stderr)
+        return 2
+    print(app.report())
+    cores, available = cpu_cores(), memory_available()
+    print(f"\nThis machine as the only node: {cores} CPU cores, "
+          + (f"{available / (1 << 30):.2f} GiB available" if available is not None else "memory unknown"))
+    try:
+        threads = node_threads(cfg, cores, app)
+        print("torch threads per replica: " + ", ".join(f"{role} {n}" for role, n in threads.items()))
+        app.check(host_available=available)
+    except (ConfigError, PlanError) as exc:
+        print(f"does not fit: {str(exc).split(chr(10))[0]}", file=sys.stderr)
+        return 1
+    print("fits.")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -93,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text in-process (no Ray) and print statistics")
-    gen.add_argument("--target", default=str(DEFAULT_TARGET), help="local HF folder of the target")
-    gen.add_argument("--draft", default=str(DEFAULT_DRAFT), help="local HF folder of the draft, 'ngram' or 'none'")
+    gen.add_argument("--target", default=str(DEFAULT_TARGET), help="the target: local HF folder or .gguf file")
+    gen.add_argument("--draft", default=str(DEFAULT_DRAFT),
+                     help="the draft: local HF folder or .gguf file, 'ngram' or 'none'")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--gamma", type=int, default=4, help="draft length (start value when adaptive)")
@@ -116,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default=None, help="HTTP host (default from config: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="HTTP port (default from config: 8000)")
     srv.set_defaults(func=cmd_serve)
+
+    plan = sub.add_parser("plan", help="print the memory plan and threads per replica; exit 1 if this "
+                          "machine cannot run the config")
+    plan.add_argument("--config", default=None, help="ClusterConfig YAML (default: the embedded default pair)")
+    plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="run a benchmark script from scripts/ (bench_<name>.py)")
     bench.add_argument("which", help="benchmark name, e.g. scenarios, step_overhead, gpu")

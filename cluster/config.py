@@ -4,15 +4,19 @@ Contract:
 - ``ClusterConfig.from_yaml(path)`` / ``ClusterConfig.from_dict(d)`` build a validated config or raise a
   ``ValueError`` — a ``pydantic.ValidationError`` or a ``ConfigError`` — whose message names the key path
   (``speculation.gamma_max``, ``speculative_decoding.draft_num``, ...). Every model forbids unknown keys.
-- The seeds' service config (a ``speculative_decoding:`` block, both of its shapes) is mapped onto the
-  native fields and merged with any native sections; a value set in both places must agree.
-- ``validate_models()`` checks tensor parallelism against the target's heads and the draft's vocabulary
-  against the target's by reading ``config.json`` / ``tokenizer.json`` of local model folders. Paths that
-  are builtin or not a folder on this machine are skipped (they may exist only on worker nodes).
+- The alternative service-config layout (a ``speculative_decoding:`` block, both of its shapes; see
+  docs/design.md#the-reference-article) is mapped onto the native fields and merged with any native
+  sections; a value set in both places must agree.
+- ``validate_models()`` runs ``cluster.model_files``' checks on local model paths (Hugging Face folders or
+  ``.gguf`` files): the target's family, tensor parallelism against its heads, the draft's tokenizer against
+  the target's. Paths that are builtin or absent on this machine are skipped (they may exist only on worker
+  nodes).
   ``from_dict`` / ``from_yaml`` call it; building the model directly (``ClusterConfig(...)``) does not.
 - ``to_serve_args()`` is a JSON-able dict that ``from_dict`` turns back into an equal config: the ``args``
   of ``build_app``. It carries ``http.api_key`` in clear (the ingress needs it); prefer
-  ``http.api_key_env`` to keep the key out of Serve's config.
+  ``http.api_key_file`` to keep the key out of Serve's config and of every environment.
+- Ray's security rules live here: token auth by default; ``ray.auth_mode: disabled`` only when every Ray
+  address is loopback (``RaySpec``) and the cluster is one node (``ClusterConfig``).
 - Relative model paths are kept as written: they resolve against the loading process's working directory.
 
 No ray or torch import: the CLI and config tooling load this without either installed.
@@ -22,15 +26,19 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-import json
 import logging
 import os
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from cluster.model_files import (ModelFileError, check_draft_matches, check_tensor_parallel, inspect_model,
+                                 is_local_model)
+from cluster.secret_files import SecretFileError, read_secret_file
 
 log = logging.getLogger("specserve.config")
 
@@ -39,6 +47,7 @@ GAMMA_HARD_CAP = 16  # longest chain the verifier and the wire format accept
 MAX_BATCH_CAP = 1 << 16  # cluster.wire.MAX_ROWS: the most rows one frame may carry
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Threads = Annotated[int, Field(ge=1, strict=True)] | Literal["auto"]
 
 
 class ConfigError(ValueError):
@@ -73,8 +82,8 @@ def _check_resources(resources: dict[str, float], where: str) -> dict[str, float
 class TargetSpec(_Spec):
     path: str = Field(
         min_length=1,
-        description=f"Local Hugging Face model folder of the target, or {BUILTIN_TINY!r} for the tiny "
-        "test model built from config in code (no files, no downloads).",
+        description="The target: a local Hugging Face model folder, a .gguf file (or a folder holding one), or "
+        f"{BUILTIN_TINY!r} for the tiny test model built from config in code (no files, no downloads).",
     )
     dtype: Dtype = Field("auto", description="Target weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
     max_model_len: int = Field(
@@ -105,8 +114,8 @@ class DraftSpec(_Spec):
     path: str | None = Field(
         None,
         min_length=1,
-        description=f"Local Hugging Face folder of the draft model, or {BUILTIN_TINY!r}; required iff "
-        "kind is 'model'. It must share the target's tokenizer.",
+        description="The draft model: a local Hugging Face folder, a .gguf file (or a folder holding one), or "
+        f"{BUILTIN_TINY!r}; required iff kind is 'model'. It must share the target's tokenizer.",
     )
     dtype: Dtype = Field("auto", description="Draft weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
     ngram_max: int = Field(4, ge=1, le=64, description="Longest suffix n-gram looked up (kind 'ngram').")
@@ -149,8 +158,8 @@ class SpeculationSpec(_Spec):
     acceptance: Literal["exact", "threshold"] = Field(
         "exact",
         description="'exact' = rejection sampling: outputs follow the target's distribution exactly. "
-        "'threshold' = the seeds' lossy opt-in rule: faster, but outputs no longer match the target's "
-        "distribution.",
+        "'threshold' = lossy opt-in: accept a draft token while the target gives it at least 'threshold' "
+        "probability; faster, but outputs no longer match the target's distribution.",
     )
     threshold: float | None = Field(
         None,
@@ -160,8 +169,9 @@ class SpeculationSpec(_Spec):
     )
     dynamic_adjust: bool = Field(
         False,
-        description="Move the threshold toward target_acceptance at run time (the seeds' adjust_threshold); "
-        "only with acceptance 'threshold'.",
+        description="Adjust the threshold after each verify step from that step's acceptance rate: ×1.05 "
+        "(at most 1) above target_acceptance + 0.1, ×0.95 below target_acceptance − 0.1; only with "
+        "acceptance 'threshold'.",
     )
     target_acceptance: float = Field(
         0.7, gt=0.0, lt=1.0, description="Acceptance rate dynamic_adjust steers the threshold toward."
@@ -233,6 +243,13 @@ class DraftPoolSpec(_Spec):
         "GPUs); 'colocated': one draft replica per verifier group on its node, for batch-1 latency.",
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per draft replica (Ray resource).")
+    num_threads: Threads = Field(
+        1,
+        description="torch CPU threads per draft replica (intra-op; applied at start, also as OMP_NUM_THREADS). "
+        "An integer, at most the node's cores, or 'auto' (cluster/threads.py: on CPU one thread per 256 MiB of "
+        "weights, at least 1, at most the node's cores; on GPU floor(num_cpus)). 1 suits a small draft that "
+        "takes turns with the verifier.",
+    )
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs reserved per draft replica; fractions share a GPU.")
     accelerator_type: str | None = Field(None, description="Ray accelerator type the replicas need, e.g. 'L4'.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per draft replica.")
@@ -240,6 +257,10 @@ class DraftPoolSpec(_Spec):
         64, ge=1, le=MAX_BATCH_CAP, description="Most sequences one draft replica call may carry."
     )
     batch_size: int = Field(32, ge=1, description="Micro-batch size the draft pool drafts in (≤ max_batch_size).")
+    timeout_s: float = Field(
+        10.0, gt=0, description="Longest a step waits for a live draft pool's proposal "
+        "before decoding target-only (a pool marked down is not waited for at all)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +298,14 @@ class VerifierSpec(_Spec):
         1, ge=1, description="Data-parallel verifier groups, each a full tensor-parallel copy of the target."
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per verifier rank (Ray resource).")
+    num_threads: Threads = Field(
+        "auto",
+        description="torch CPU threads per verifier rank (intra-op; applied at start, also as OMP_NUM_THREADS; "
+        "a colocated draft, or both models under router.stages 'local', share them). An integer, at most the "
+        "node's cores, or 'auto' (cluster/threads.py): on CPU one thread per 256 MiB of the rank's weights, at "
+        "least 1, at most the node's cores divided among the ranks of a group that share it (STRICT_PACK/PACK); "
+        "on GPU floor(num_cpus). Independent of num_cpus, which only reserves Ray resources.",
+    )
     num_gpus: float = Field(
         0.0,
         ge=0,
@@ -301,6 +330,16 @@ class RouterSpec(_Spec):
     max_running: int = Field(
         64, ge=1, le=MAX_BATCH_CAP, description="Most sequences decoding at once (holding KV slots)."
     )
+    stages: Literal["remote", "local"] = Field(
+        "remote",
+        description="Where the step loop's stages run. 'remote': in the verifier and draft-pool deployments, "
+        "one Serve call per stage per step (verifier groups, tensor parallelism, GPU draft pools). 'local': the "
+        "target and the draft run inside the router replica, no call per step: the fastest batch-1 serving on "
+        "one CPU node, where a Serve call costs milliseconds against a small model's step. 'local' needs "
+        "tensor_parallel 1 and one verifier group; the router replica then reserves the verifier's resources "
+        "(verifier.num_cpus, num_gpus, accelerator_type, resources) on top of router.num_cpus and runs with "
+        "verifier.num_threads.",
+    )
     max_queue: int = Field(
         256, ge=0, description="Most requests waiting for a running slot; beyond it requests are rejected."
     )
@@ -310,6 +349,25 @@ class RouterSpec(_Spec):
     request_timeout_s: float = Field(
         300.0, gt=0, description="A request still unfinished after this many seconds fails."
     )
+    verify_timeout_s: float = Field(
+        60.0, gt=0, description="A verify call unanswered after this many seconds counts as "
+        "lost: its sequences re-prefill (an explicit error after repeated losses)."
+    )
+    probe_interval_s: float = Field(
+        0.25, gt=0, le=60, description="How often the router pings each stage (verifier, draft pool); /health and "
+        "the draft fallback read the result."
+    )
+    probe_timeout_s: float = Field(
+        0.5, gt=0, le=60, description="A probe no replica answers within this many seconds marks its stage down."
+    )
+    stall_s: float = Field(
+        30.0, gt=0, description="/health is 503 when requests wait and no step has "
+        "completed for this many seconds."
+    )
+    health_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Longest /health and the /debug routes wait for the router before "
+        "answering 503."
+    )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per router replica (Ray resource).")
 
 
@@ -317,15 +375,30 @@ class HttpSpec(_Spec):
     host: str = Field("127.0.0.1", min_length=1, description="Address the OpenAI-compatible HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server binds.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer key clients must send; never shown in repr. Prefer api_key_env."
+        None,
+        description="Bearer key clients must send, inline; never shown in repr. Prefer api_key_file: an inline "
+        "key sits in the config file and, unless `specserve serve` starts the cluster, in Serve's config.",
     )
     api_key_env: str | None = Field(
         None,
         min_length=1,
-        description="Name of an environment variable (in the ingress replica) holding the bearer key; "
-        "keeps the key out of files and Serve's config.",
+        description="Name of an environment variable holding the bearer key. `specserve serve` moves it out of "
+        "the environment Ray inherits; on a cluster started by `ray start` it must be in the environment of "
+        "the ingress replica, i.e. of every Ray process on its node. Prefer api_key_file.",
+    )
+    api_key_file: str | None = Field(
+        None,
+        min_length=1,
+        description="Path of a file holding the bearer key (one line), read by the ingress replica only; it must "
+        "exist on every node that may host the ingress. Keeps the key out of environments and Serve's config.",
     )
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body accepted.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request's whole body must arrive within this many seconds, else 408."
+    )
+    max_pending_bodies: int = Field(
+        1024, ge=1, description="Most requests still sending their body at once; beyond it 503 at once."
+    )
     model_name: str = Field(
         "specserve-default", min_length=1, description="Model name the OpenAI API reports and accepts."
     )
@@ -334,14 +407,21 @@ class HttpSpec(_Spec):
     def _check(self) -> "HttpSpec":
         if self.api_key is not None and not self.api_key.get_secret_value():
             raise ValueError("http.api_key: must not be empty")
-        if self.api_key is not None and self.api_key_env is not None:
-            raise ValueError("http.api_key: set either api_key or api_key_env, not both")
+        sources = self._key_sources()
+        if len(sources) > 1:
+            raise ValueError(f"http.{sources[0]}: set one of api_key, api_key_env, api_key_file, not "
+                             f"{' and '.join(sources)}")
         return self
 
     def resolve_api_key(self) -> str | None:
         """The bearer key to require, or None for no authentication. Call where the key is used."""
         if self.api_key is not None:
             return self.api_key.get_secret_value()
+        if self.api_key_file is not None:
+            try:
+                return read_secret_file(self.api_key_file, "http.api_key_file")
+            except SecretFileError as e:
+                raise ConfigError(str(e)) from None
         if self.api_key_env is None:
             return None
         key = os.environ.get(self.api_key_env)
@@ -349,30 +429,73 @@ class HttpSpec(_Spec):
             raise ConfigError(f"http.api_key_env: environment variable {self.api_key_env} is unset or empty")
         return key
 
+    def _key_sources(self) -> list[str]:
+        return [name for name in ("api_key", "api_key_env", "api_key_file") if getattr(self, name) is not None]
+
+    @property
+    def has_api_key(self) -> bool:
+        return bool(self._key_sources())
+
     @property
     def exposed(self) -> bool:
         """Whether the server listens beyond this machine."""
-        if self.host == "localhost":
-            return False
-        try:
-            return not ipaddress.ip_address(self.host).is_loopback
-        except ValueError:  # a host name: assume it resolves off this machine
-            return True
+        return not is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1, IPv4-mapped 127.x); a host name may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class RaySpec(_Spec):
     auth_mode: Literal["token", "disabled"] = Field(
-        "disabled",
-        description="Ray's RAY_AUTH_MODE. 'disabled' suits the default local single-user cluster: nothing "
-        "but this machine's user reaches it, and token auth would need a token handed to every client "
-        "(ray.init, the serve CLI) for no gain. Use 'token' whenever other users or machines can reach "
-        "the cluster (multi-node, KubeRay); the token comes from Ray's token file or RAY_AUTH_TOKEN, "
-        "never from this config.",
+        "token",
+        description="Ray's RAY_AUTH_MODE. 'token': every Ray RPC and HTTP endpoint (GCS, raylet, the dashboard "
+        "agent's job API) needs the cluster token; `specserve serve` generates it once into "
+        "$XDG_STATE_HOME/specserve/ray_token (0600) when it starts the cluster, and clients joining one take it "
+        "from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (Ray's order), never from this config. "
+        "'disabled' only for a cluster on loopback (address unset or a loopback host:port): any local user "
+        "can then run code as the serving user.",
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard (it shows Serve's config and args).")
     address: str | None = Field(
-        None, description="Existing Ray cluster to join ('auto', 'host:port'); None starts a local one."
+        None,
+        description="Existing Ray cluster to join ('auto', 'host:port', 'ray://host:port'); None (or 'local') "
+        "starts a local single-node cluster whose every port listens on loopback.",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RaySpec":
+        if self.auth_mode == "disabled" and not self.loopback_only:
+            raise ValueError(
+                f"ray.auth_mode: 'disabled' is allowed only for a cluster on loopback (ray.address unset, or a "
+                f"loopback host:port); ray.address {self.address!r} may be reachable from other machines, where "
+                "anyone could run code on the cluster: use auth_mode 'token'"
+            )
+        return self
+
+    @property
+    def starts_local_cluster(self) -> bool:
+        return self.address in (None, "local")
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether every Ray address of this config is on loopback ('auto' may find any cluster: it is not)."""
+        if self.starts_local_cluster:
+            return True
+        address = self.address if "://" in self.address else "//" + self.address  # type: ignore[operator]
+        try:
+            host = urllib.parse.urlsplit(address).hostname
+        except ValueError:
+            return False
+        return host is not None and is_loopback_host(host)
 
 
 class DefaultsSpec(_Spec):
@@ -417,6 +540,28 @@ class ClusterConfig(_Spec):
             )
         if self.cluster is not None:
             self._check_gpu_budget(self.cluster)
+        return self
+
+    @model_validator(mode="after")
+    def _check_local_stages(self) -> "ClusterConfig":
+        if self.router.stages == "local" and (self.target.tensor_parallel > 1 or self.verifier.num_groups > 1):
+            raise ValueError(
+                "router.stages: 'local' runs the one target copy inside the router replica; it needs "
+                f"target.tensor_parallel 1 and verifier.num_groups 1 (got {self.target.tensor_parallel} and "
+                f"{self.verifier.num_groups}): use router.stages 'remote'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_multi_node_auth(self) -> "ClusterConfig":
+        budget = self.cluster
+        if (self.ray.auth_mode != "token" and budget is not None and budget.gpus_per_node is not None
+                and budget.total_gpus > budget.gpus_per_node):
+            raise ValueError(
+                f"ray.auth_mode: cluster describes more than one node (total_gpus {budget.total_gpus:g} > "
+                f"gpus_per_node {budget.gpus_per_node}); the nodes reach each other over the network, so Ray's "
+                "token authentication is required: set auth_mode 'token'"
+            )
         return self
 
     def _check_gpu_budget(self, budget: ClusterBudget) -> None:
@@ -482,8 +627,9 @@ class ClusterConfig(_Spec):
                 source,
                 spec.threshold,
             )
-        if self.http.exposed and self.http.api_key is None and self.http.api_key_env is None:
-            log.warning("http.host=%s listens beyond this machine without http.api_key or api_key_env", self.http.host)
+        if self.http.exposed and not self.http.has_api_key:
+            log.warning("http.host=%s listens beyond this machine without http.api_key_file, api_key_env or "
+                        "api_key", self.http.host)
 
     def to_serve_args(self) -> dict[str, Any]:
         """JSON-able args for ``build_app``; ``from_dict`` of them gives an equal config."""
@@ -495,24 +641,23 @@ class ClusterConfig(_Spec):
     # ---- model folders -------------------------------------------------------------------------
 
     def validate_models(self) -> None:
-        """Check TP against the target's heads and the draft's vocabulary against the target's.
+        """Check the local model paths with ``cluster.model_files`` (the check model loading runs too).
 
-        Reads only local folders; raises ``ConfigError`` naming ``target.tensor_parallel`` or
-        ``draft.path``.
+        The target's family and heads (against tensor parallelism), and the draft's tokenizer against the
+        target's; raises ``ConfigError`` naming ``target.path``, ``target.tensor_parallel`` or ``draft.path``.
         """
-        target = _local_folder(self.target.path)
-        if target is None:
+        if not is_local_model(self.target.path):
             return
-        target_cfg = _read_model_config(target, "target.path")
-        _check_heads(target_cfg, self.target.tensor_parallel)
-        if self.draft.kind != "model":
-            return
-        draft = _local_folder(self.draft.path or "")
-        if draft is not None:
-            _check_vocab(target, target_cfg, draft, _read_model_config(draft, "draft.path"))
+        try:
+            target = inspect_model(self.target.path, "target.path")
+            check_tensor_parallel(target, self.target.tensor_parallel)
+            if self.draft.kind == "model" and is_local_model(self.draft.path or ""):
+                check_draft_matches(target, inspect_model(self.draft.path or "", "draft.path"))
+        except ModelFileError as e:
+            raise ConfigError(str(e)) from None
 
 
-# ---- the seeds' config shape -------------------------------------------------------------------
+# ---- the alternative layout: a speculative_decoding block ------------------------------------------
 
 _SEEDS_SUBKEYS = {
     "draft_model": ("path", "batch_size"),
@@ -523,9 +668,9 @@ _SEEDS_FLAT = ("draft_num", "temperature", "verify_threshold", "batch_size")
 
 
 def _merge_seeds(native: dict[str, Any], block: Any) -> dict[str, str]:
-    """Map the seeds' ``speculative_decoding`` block onto ``native`` in place.
+    """Map a ``speculative_decoding`` block (the alternative layout) onto ``native`` in place.
 
-    Returns native key path → seeds key path it came from, for messages.
+    Returns native key path → the block's key path it came from, for messages.
     """
     where = ClusterConfig.SEEDS_KEY
     if not isinstance(block, Mapping):
@@ -626,81 +771,3 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
-
-
-# ---- reading model folders ---------------------------------------------------------------------
-
-
-def _local_folder(path: str) -> Path | None:
-    if path.startswith("builtin:"):
-        return None
-    folder = Path(path).expanduser()
-    return folder if folder.is_dir() else None
-
-
-def _read_json(file: Path, where: str) -> Any:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot read {file}: {e}") from e
-
-
-def _read_model_config(folder: Path, where: str) -> dict[str, Any]:
-    file = folder / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{where}: {folder} has no config.json (not a Hugging Face model folder)")
-    cfg = _read_json(file, where)
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{where}: {file} is not a JSON object")
-    # Multimodal configs keep the language model's fields under text_config.
-    text = cfg.get("text_config")
-    if "num_attention_heads" not in cfg and isinstance(text, dict):
-        return text
-    return cfg
-
-
-def _check_heads(cfg: Mapping[str, Any], tp: int) -> None:
-    if tp == 1:
-        return
-    heads = cfg.get("num_attention_heads")
-    if type(heads) is not int:
-        raise ConfigError(
-            "target.tensor_parallel: cannot check it, the target's config.json has no num_attention_heads"
-        )
-    kv_heads = cfg.get("num_key_value_heads", heads)  # absent means multi-head attention
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if type(n) is not int or n % tp:
-            raise ConfigError(
-                f"target.tensor_parallel ({tp}) must divide the target's {name} ({n}): each rank holds whole heads"
-            )
-
-
-def _tokenizer_vocab(folder: Path, where: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
-    file = folder / "tokenizer.json"
-    if not file.is_file():
-        return None
-    tok = _read_json(file, where)
-    model = tok.get("model") if isinstance(tok, dict) else None
-    added = tok.get("added_tokens") if isinstance(tok, dict) else None
-    if not isinstance(model, dict) or not isinstance(added, list):
-        raise ConfigError(f"{where}: {file} has no model vocabulary / added_tokens")
-    # Only id ↔ string matters for speculation; merges and normalizers may be exported differently.
-    return model.get("vocab"), [(t.get("id"), t.get("content")) for t in added if isinstance(t, dict)]
-
-
-def _check_vocab(target: Path, target_cfg: Mapping[str, Any], draft: Path, draft_cfg: Mapping[str, Any]) -> None:
-    target_tok = _tokenizer_vocab(target, "target.path")
-    draft_tok = _tokenizer_vocab(draft, "draft.path")
-    if target_tok is not None and draft_tok is not None:
-        if target_tok != draft_tok:
-            raise ConfigError(
-                "draft.path: the draft's tokenizer.json vocabulary differs from the target's; draft and target "
-                "must share a tokenizer (token ids mean the same text)"
-            )
-        return  # identical tokenizers: vocab_size may differ only by embedding padding
-    target_vocab, draft_vocab = target_cfg.get("vocab_size"), draft_cfg.get("vocab_size")
-    if target_vocab is None or target_vocab != draft_vocab:
-        raise ConfigError(
-            f"draft.path: the draft's vocab_size ({draft_vocab}) differs from the target's ({target_vocab}) "
-            "and there is no tokenizer.json in both folders to show the vocabularies are identical"
-        )

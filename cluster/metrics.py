@@ -10,7 +10,7 @@ Export names: Ray's Prometheus exporter prefixes every name with ``ray_``, and s
 exports counters with a ``_total`` suffix — so ``specserve_drafts`` is scraped as
 ``ray_specserve_drafts_total``. That is why no name here ends in ``_total``.
 
-Counting conventions (glossary of DESIGN.md §2): one *draft* is one sequence's proposal going through
+Counting conventions (the glossary of docs/design.md): one *draft* is one sequence's proposal going through
 one verify step, so ``emitted_tokens / drafts`` is the mean acceptance length and
 ``accepted_tokens / draft_tokens`` the acceptance rate.
 """
@@ -37,7 +37,7 @@ KV_SLOTS_IN_USE = "specserve_kv_slots_in_use"
 
 # Allowed tag values.
 STAGES = ("draft", "verify", "transport", "schedule")
-FALLBACK_REASONS = ("draft_died", "draft_timeout", "draft_garbage", "draft_resync")
+FALLBACK_REASONS = ("draft_died", "draft_down", "draft_timeout", "draft_garbage", "draft_resync")
 REQUEST_STATUSES = ("ok", "error", "timeout", "rejected", "cancelled")
 CANCEL_PHASES = ("queued", "running")
 KV_MODELS = ("target", "draft")
@@ -103,8 +103,9 @@ METRICS: dict[str, MetricSpec] = {
             FALLBACKS,
             "counter",
             "Batched steps that fell back because the draft pool failed: a replica died, missed its "
-            "deadline or returned a proposal that did not validate (a target-only step), or a replica "
-            "had to re-prefill sequences it never saw after they moved to it (draft_resync).",
+            "deadline or returned a proposal that did not validate (a target-only step), the pool was "
+            "marked down so the step did not ask it (draft_down), or a replica had to re-prefill sequences "
+            "it never saw after they moved to it (draft_resync).",
             tag_keys=("reason",),
         ),
         MetricSpec(REQUESTS, "counter", "Requests finished, by final status.", tag_keys=("status",)),

@@ -33,6 +33,10 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class StageUnavailable(RuntimeError):
+    """A stage the call must ask (verifier, draft pool) has no live replica right now (HTTP 503)."""
+
+
 class GenerationFailed(RuntimeError):
     """The request was admitted but could not be completed (timeout, verifier lost, …)."""
 

@@ -5,23 +5,39 @@
 
 ``args`` is a ``ClusterConfig`` as a dict (native or seeds-shaped), or ``{"config": "path.yaml"}``.
 The graph: Verifier (one replica per data-parallel group) ← DraftPool (N replicas, or none when the
-draft is colocated or absent) ← Router (step loop + handle API) ← OpenAI HTTP ingress.
+draft is colocated or absent) ← Router (step loop + handle API) ← OpenAI HTTP ingress; with
+``router.stages: local``, just Router (step loop and both models) ← ingress.
+
+On a local cluster (no ``ray.address``) the whole app is checked against this machine before anything is
+deployed: thread counts against its cores, the memory plan (``cluster.memory_plan``) against the memory it
+has available; a config that cannot fit is refused with the plan and what to lower. Every replica checks
+its own share again on the node it lands on (``deployments.replica_process``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
 
 from cluster.config import ClusterConfig
+from cluster.memory_plan import plan
+from cluster.model_files import ModelFileError
+from cluster.node import cpu_cores, memory_available
+from cluster.threads import node_threads
 from deployments.draft_pool import DraftPool
 from deployments.ingress import OpenAIIngress
+from deployments.local_stages import local_engine_factory
+from deployments.replica_process import model_process_env
 from deployments.router import Router
 from deployments.verifier import Verifier
 
 STAGE_MAX_ONGOING = 256  # stage calls are one per micro-batch step; Serve's default of 5 would throttle them
 STAGE_SHUTDOWN_S = 10.0  # stage calls last milliseconds; a replica going away need not wait Serve's default 20 s
+INGRESS_BURST = 4096  # requests the ingress may hold beyond its own limits (see _ingress)
+
+log = logging.getLogger(__name__)
 
 
 def load_config(args: dict[str, Any]) -> ClusterConfig:
@@ -41,15 +57,52 @@ def _placement(num_cpus: float, num_gpus: float, accelerator_type: str | None, r
     return opts
 
 
+def _model_env(threads: int | str) -> dict:
+    """The environment a model replica's process starts with (``replica_process.model_process_env``)."""
+    return {"runtime_env": {"env_vars": model_process_env(threads)}}
+
+
+def check_local_node(cfg: ClusterConfig) -> None:
+    """Refuse a config this machine cannot run (threads, memory); Ray is already up, so its own processes'
+    memory is in use already and not counted again."""
+    cores = cpu_cores()
+    try:
+        app = plan(cfg)
+    except ModelFileError as exc:  # a model that is not on this machine: its replicas check themselves
+        log.warning("no memory plan before deploying (%s); each replica checks its own share at start", exc)
+        node_threads(cfg, cores, None)
+        return
+    threads = node_threads(cfg, cores, app)
+    started = sum(r.replicas * threads.get(r.role, 0) for r in app.replicas)
+    if started > cores:
+        log.warning("the model replicas start %d torch threads on this node's %d cores (%s); they take turns at "
+                    "batch 1, but concurrent micro-batches will contend (README, Configuration: threads)",
+                    started, cores, ", ".join(f"{k} {n}" for k, n in threads.items()))
+    app.check(host_available=memory_available(), include_system=False)
+
+
 def build_app(args: dict[str, Any]):
     cfg = load_config(args)
+    if cfg.ray.address is None:
+        check_local_node(cfg)
     plain = cfg.to_serve_args()
-    v = cfg.verifier
+    v, r = cfg.verifier, cfg.router
+    router_opts = dict(
+        num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
+        # Scale-down and redeploys wait for in-flight requests instead of dropping them.
+        graceful_shutdown_timeout_s=r.request_timeout_s)
+    if r.stages == "local":  # the router hosts both models (deployments/local_stages.py)
+        opts = {**_placement(v.num_cpus + r.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
+                **_model_env(v.num_threads)}
+        router = Router.options(ray_actor_options=opts, **router_opts).bind(
+            plain, None, None, engine_factory=local_engine_factory(plain))
+        return _ingress(cfg, plain, router)
     if cfg.target.tensor_parallel > 1:
         # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
-        verifier_opts = _placement(v.num_cpus, 0, None, {})
+        verifier_opts = {**_placement(v.num_cpus, 0, None, {}), **_model_env(v.num_threads)}
     else:
-        verifier_opts = _placement(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources)
+        verifier_opts = {**_placement(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
+                         **_model_env(v.num_threads)}
     verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
                                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(plain)
@@ -67,19 +120,19 @@ def build_app(args: dict[str, Any]):
                                                   "target_ongoing_requests": 2}}
             draft = DraftPool.options(
                 **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
-                ray_actor_options=_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
-                                             pool.resources)).bind(plain)
+                ray_actor_options={**_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
+                                                pool.resources), **_model_env(pool.num_threads)}).bind(plain)
 
-    r = cfg.router
-    router = Router.options(
-        num_replicas=1, ray_actor_options={"num_cpus": r.num_cpus},
-        max_ongoing_requests=r.max_running + r.max_queue + 64,
-        # Scale-down and redeploys wait for in-flight requests instead of dropping them.
-        graceful_shutdown_timeout_s=r.request_timeout_s).bind(plain, draft, verifier)
+    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus}, **router_opts).bind(plain, draft, verifier)
     return _ingress(cfg, plain, router)
 
 
 def _ingress(cfg: ClusterConfig, plain: dict, router):
+    # A replica at max_ongoing_requests makes Serve's proxy queue every further request, /health included,
+    # and stall them all. The ingress enforces its own limits instead and answers past them at once (503
+    # past max_pending_bodies bodies being received or the router's capacity, 408 past the body deadline),
+    # so Serve's limit sits above them by INGRESS_BURST: room for a burst of those quick answers and for
+    # /health, /v1/models and /debug, which no limit of the ingress counts.
+    limit = cfg.http.max_pending_bodies + cfg.router.max_running + cfg.router.max_queue + INGRESS_BURST
     return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus},
-                                 max_ongoing_requests=cfg.router.max_running + cfg.router.max_queue + 64
-                                 ).bind(plain, router)
+                                 max_ongoing_requests=limit).bind(plain, router)

@@ -13,7 +13,9 @@ from ray import serve
 
 from cluster import wire
 from cluster.config import ClusterConfig
+from cluster.memory_plan import draft_slots
 from deployments.metrics import SlotGauge
+from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
 from verifier.factory import make_proposer
@@ -23,8 +25,9 @@ from verifier.factory import make_proposer
 class DraftPool(StageHost):
     def __init__(self, args: dict, *, proposer_factory=None):
         cfg = ClusterConfig.from_dict(args)
+        start_replica(cfg, "draft pool")
         self._init_host(wire_limits(cfg))
-        settings = engine_settings(cfg, max_slots=cfg.draft_pool.max_batch_size * max(1, cfg.router.micro_batches))
+        settings = engine_settings(cfg, max_slots=draft_slots(cfg))
         self.proposer = (proposer_factory or make_proposer)(settings)
         runner = getattr(self.proposer, "runner", None)
         self._slots = SlotGauge("draft") if runner is not None else None

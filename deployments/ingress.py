@@ -3,18 +3,26 @@
     POST /v1/completions          text completion (prompt: a string, or token ids), SSE with stream: true
     POST /v1/chat/completions     chat completion (the target tokenizer's chat template, applied by the router)
     GET  /v1/models[/{model}]     the one served model (http.model_name)
-    GET  /health                  200 while the router's step loop is alive and making progress, else 503
+    GET  /health                  200 "ok" or "degraded" (draft pool down, target-only), 503 "unhealthy"
     GET  /debug/kv                KV slots in use in verifier and draft pool, cancelled-request counter
+    GET  /debug/stats             speculation totals, draft fallbacks by reason, verifier re-prefills
 
 Contract (docs/http_api.md has the user-facing version):
 
 - Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx for
   anything the caller must fix (400 naming the parameter, 401, 404 for an unknown model or path, 405,
-  413 for a body over ``http.max_body_bytes``) and 503 + ``Retry-After`` when admission control refuses
-  the request. Bad input never yields a 5xx: the body is size-checked (Content-Length, then the bytes
-  actually read) before it is parsed, parsed with a strict JSON reader (no NaN/Infinity), and every
-  field is type-checked here; ranges and the context check are ``GenerateRequest.validate`` and the
-  router's, so handle callers get the same messages.
+  408 for a body that did not arrive within ``http.body_timeout_s``, 413 for a body over
+  ``http.max_body_bytes``) and 503 + ``Retry-After`` when admission control refuses the request. Bad
+  input never yields a 5xx: the body is size-checked (Content-Length, then the bytes actually read),
+  then ``parse_body`` alone turns it into a dict, refusing what no later step should see (not UTF-8,
+  lone surrogates, NaN/Infinity, numbers beyond 64 bits or a float, deep nesting), and every field is
+  type-checked here; ranges and the context check are ``GenerateRequest.validate`` and the router's,
+  so handle callers get the same messages.
+- Limits that answer at once instead of queueing (Serve's own ``max_ongoing_requests`` sits far above
+  them, see ``deployments.app._ingress``): at most ``router.max_running + max_queue`` generation calls
+  in flight from here (503 past it, before the body is read), at most ``http.max_pending_bodies``
+  bodies being received (503), each within ``http.body_timeout_s`` (408). ``/health``, ``/v1/models``
+  and ``/debug/*`` count against none of them.
 - ``stream: true`` answers ``text/event-stream``: OpenAI chunks, the last one carrying ``finish_reason``
   and the request's speculation statistics, then (with ``stream_options.include_usage``) a usage chunk
   with empty ``choices``, then ``data: [DONE]``. A stream that fails after its first chunk ends with
@@ -23,9 +31,12 @@ Contract (docs/http_api.md has the user-facing version):
 - A client that goes away cancels its request: Serve cancels this handler's task, and the handler
   cancels its router call, whose ``_events`` then cancels the sequence in the engine (KV slots freed in
   the verifier and the draft pool; ``/debug/kv`` shows it).
-- With ``http.api_key`` / ``api_key_env`` set, every path except ``/health`` needs
+- With ``http.api_key_file`` / ``api_key_env`` / ``api_key`` set, every path except ``/health`` needs
   ``Authorization: Bearer <key>``, compared in constant time; the key is never logged or echoed.
   ``/debug/kv`` is read-only (counters only, no request content) and behind the same key.
+- ``/health`` and ``/debug/*`` wait at most ``router.health_timeout_s`` for the router, and answer 503
+  when it (or, for ``/debug/kv``, a stage it must ask) is down; the router answers ``/health`` from
+  state its step loop and stage prober keep, without calling any stage.
 
 No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation of the
 endpoint methods, or it treats ``request`` as a required body field.
@@ -38,21 +49,22 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded, RequestTimedOut)
+                             Overloaded, RequestTimedOut, StageUnavailable)
 
 log = logging.getLogger("specserve.ingress")
 
-HEALTH_TIMEOUT_S = 5.0
 MAX_TOKEN_IDS = 1 << 20
 
 # Accepted fields per endpoint; any other key is refused naming itself (a typo must not be ignored).
@@ -83,8 +95,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII JSON: a message that quotes the caller's input (a lone surrogate, say) must still encode.
+        return Response(json.dumps(self.body), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> ApiError:
@@ -159,11 +173,154 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-# -- parsing helpers ---------------------------------------------------------------------------------
+# -- the request body --------------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest ~4 deep (messages[i].content[j].text); deeper is a bug or an attack
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # int64 ∪ uint64: the widest any field here can mean
+
+
+def parse_body(data: bytes, content_type: str | None = None, content_encoding: str | None = None) -> dict:
+    """Request bytes → the request object: the one place a body is decoded and checked as JSON.
+
+    Everything a JSON reader would accept but nothing downstream should see is refused here with a 400,
+    before any tokenizer or serialisation step: a Content-Type that is not JSON (none at all counts as
+    JSON) or a charset that is not UTF-8; a Content-Encoding; bytes that are not UTF-8 (Python's ``json``
+    would detect and accept UTF-16/32); an empty body, malformed JSON, ``NaN``/``Infinity``; a top level
+    that is not an object; and anywhere in the tree (``_check_tree``) lone surrogates, integers beyond
+    64 bits, numbers beyond a float and nesting deeper than ``MAX_JSON_DEPTH``.
+    """
+    media, _, params = (content_type or "application/json").partition(";")
+    media = media.strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise _bad(f"the request body must be JSON: send Content-Type: application/json, not {_show(media)}",
+                   None)
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise _bad(f"the request body must be UTF-8 JSON, not charset {_show(value.strip())}", None)
+    if content_encoding and content_encoding.strip().lower() != "identity":
+        raise _bad(f"the request body must be sent uncompressed, not Content-Encoding "
+                   f"{_show(content_encoding.strip())}", None)
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")  # RFC 8259 lets a parser ignore a UTF-8 BOM
+    except UnicodeDecodeError as exc:
+        raise _bad(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})",
+                   None) from None
+    if not text.strip():
+        raise _bad("the request body is empty; send a JSON object", None)
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None) from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers of more than 4300 digits
+        raise _bad(f"the request body is not valid JSON: {str(exc)[:200]}", None) from None
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    _check_tree(body, (), 1)
+    return body
+
+
+def _check_tree(node: dict | list, path: tuple, depth: int) -> None:
+    """Refuses, naming where: strings and field names holding a lone UTF-16 surrogate (a ``\\ud800`` escape
+    decodes to one; tokenizers and UTF-8 encoders raise on it), integers outside 64 bits, numbers that
+    overflowed a float (``1e400`` parses to infinity), containers nested deeper than ``MAX_JSON_DEPTH``."""
+    if depth > MAX_JSON_DEPTH:
+        raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _param(path[:4]))
+    if isinstance(node, list) and node and set(map(type, node)) == {int} and \
+            _INT_MIN <= min(node) and max(node) <= _INT_MAX:
+        return  # token ids: the common large list, checked at C speed
+    for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+        if type(key) is str and not _valid_unicode(key):
+            where = _param(path) or "the request body"
+            raise _bad(f"a field name in {where} is not valid Unicode: it holds a lone UTF-16 surrogate",
+                       _param(path + (key,)))
+        kind = type(value)
+        if kind is str:
+            if not _valid_unicode(value):
+                where = _param(path + (key,))
+                raise _bad(f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                           "escape without its pair)", where)
+        elif kind is int:
+            if not _INT_MIN <= value <= _INT_MAX:
+                where = _param(path + (key,))
+                raise _bad(f"{where} is out of range: integers must fit in 64 bits", where)
+        elif kind is float:
+            if not math.isfinite(value):
+                where = _param(path + (key,))
+                raise _bad(f"{where} is out of range: numbers must be finite (at most ~1.8e308)", where)
+        elif kind is dict or kind is list:
+            _check_tree(value, path + (key,), depth + 1)
+
+
+def _valid_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _param(path: tuple) -> str | None:
+    """("messages", 0, "content") → "messages[0].content" (a name's surrogates shown as "?")."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part.encode("utf-8", "replace").decode()
+    return out or None
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+# -- the ingress's own limits ------------------------------------------------------------------------
+
+UNHEARD_S = 1.0  # how long a request whose body has not started counts against the router's capacity
+
+
+class _Slots:
+    """How many requests are in one phase (sending their body, waiting on the router), against a limit.
+    The ingress serves from one event loop and nothing awaits between a check and its update: no lock."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def full(self) -> bool:
+        return self.used >= self.limit
+
+    def take(self) -> "_Slot | None":
+        return None if self.full() else _Slot(self)
+
+
+class _Slot:
+    """One request's place in a ``_Slots``; ``release`` is idempotent, so every exit path may call it."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, slots: _Slots):
+        self._slots: _Slots | None = slots
+        slots.used += 1
+
+    @property
+    def held(self) -> bool:
+        return self._slots is not None
+
+    def release(self) -> None:
+        if self._slots is not None:
+            self._slots.used -= 1
+            self._slots = None
+
+
+def _abandon(gen, slot: _Slot) -> None:
+    """A stream response Starlette dropped before its generator ran (the client left at once): its
+    ``finally`` never runs, so cancel the router call and free the slot here."""
+    if slot.held:
+        slot.release()
+        gen.cancel()
 
 
 def _is_off(value, off: tuple) -> bool:
@@ -281,6 +438,14 @@ class OpenAIIngress:
         self.router = router
         self.model_name = cfg.http.model_name
         self.max_body = cfg.http.max_body_bytes
+        self.body_timeout_s = cfg.http.body_timeout_s
+        self.receiving = _Slots(cfg.http.max_pending_bodies)
+        # Of those, the ones with no body byte yet (for at most UNHEARD_S): counted with ``generating``.
+        self.unheard = _Slots(cfg.http.max_pending_bodies)
+        # The router admits this many (it stays the authority: handle callers share it); more calls in
+        # flight from here could only come back as 503s, slowly, after queueing behind the rest.
+        self.generating = _Slots(cfg.router.max_running + cfg.router.max_queue)
+        self.health_timeout_s = cfg.router.health_timeout_s
         key = cfg.http.resolve_api_key()
         self._key = key.encode() if key else None
         self.created = int(time.time())
@@ -289,15 +454,11 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        self._authorize(request)
-        body = await self._json_body(request)
-        return await self._generate(body, chat=False)
+        return await self._generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        self._authorize(request)
-        body = await self._json_body(request)
-        return await self._generate(body, chat=True)
+        return await self._generate(request, chat=True)
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -314,17 +475,35 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self):
         try:
-            state = await asyncio.wait_for(self.router.health.remote(), HEALTH_TIMEOUT_S)
-        except Exception as exc:  # router unreachable, dead or stuck
-            return JSONResponse({"status": "unhealthy", "reason": f"router unreachable: {type(exc).__name__}"},
-                                status_code=503)
-        ok = bool(state.get("ok"))
-        return JSONResponse({"status": "ok" if ok else "unhealthy", **state}, status_code=200 if ok else 503)
+            state = await self._ask_router("health")
+        except ApiError as err:  # router unreachable, dead or stuck
+            return JSONResponse({"status": "unhealthy", "reason": err.message}, status_code=503)
+        return JSONResponse(state, status_code=503 if state["status"] == "unhealthy" else 200)
 
     @app.get("/debug/kv")
     async def debug_kv(self, request: Request):
         self._authorize(request)
-        return await self.router.kv_usage.remote()
+        return await self._ask_router("kv_usage")
+
+    @app.get("/debug/stats")
+    async def debug_stats(self, request: Request):
+        self._authorize(request)
+        return await self._ask_router("info")
+
+    async def _ask_router(self, method: str) -> dict:
+        """A router introspection call, bounded by ``router.health_timeout_s``; 503 when it cannot answer."""
+        response = getattr(self.router, method).remote()
+        try:
+            return await asyncio.wait_for(response, self.health_timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            message = f"the router did not answer within {self.health_timeout_s:g} s"
+        except Exception as exc:
+            cause = _cause(exc)
+            if not isinstance(cause, StageUnavailable):
+                raise _translate(exc) from None
+            message = str(cause)
+        raise ApiError(503, message, type="server_error", code="unavailable", headers={"Retry-After": "1"})
 
     # -- request handling ---------------------------------------------------------------------------
 
@@ -340,7 +519,10 @@ class OpenAIIngress:
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    async def _json_body(self, request: Request) -> dict:
+    async def _read_body(self, request: Request) -> bytes:
+        """The body's bytes, within ``http.body_timeout_s``: Serve's proxy forwards a request to this replica
+        as soon as its headers arrive and the body follows message by message, so a client that stalls
+        mid-body holds an ingress slot until this deadline (408), and at most ``max_pending_bodies`` do."""
         limit = self.max_body
         length = request.headers.get("content-length")
         if length is not None:
@@ -348,20 +530,31 @@ class OpenAIIngress:
                 raise _bad("invalid Content-Length header", None)
             if int(length) > limit:
                 raise self._too_large(int(length))
+        slot = self.receiving.take()
+        if slot is None:
+            raise ApiError(503, f"{self.receiving.used} requests are still sending their bodies (limit "
+                           f"{self.receiving.limit}); retry later", type="server_overloaded", code="overloaded",
+                           headers={"Retry-After": "1"})
+        unheard = _Slot(self.unheard)
+        timer = asyncio.get_running_loop().call_later(UNHEARD_S, unheard.release)
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise self._too_large(len(data))
-        if not data.strip():
-            raise _bad("the request body is empty; send a JSON object", None)
         try:
-            body = json.loads(bytes(data), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise _bad(f"the request body is not valid JSON: {str(exc)[:200]}", None) from None
-        if not isinstance(body, dict):
-            raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
-        return body
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    unheard.release()
+                    data += chunk
+                    if len(data) > limit:
+                        raise self._too_large(len(data))
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                           f"({len(data)} bytes received)", type="timeout_error", code="body_timeout") from None
+        except ClientDisconnect:  # nobody reads this answer; it keeps a routine event out of the error log
+            raise _bad("the client disconnected before sending the whole body", None) from None
+        finally:
+            timer.cancel()
+            unheard.release()
+            slot.release()
+        return bytes(data)
 
     def _too_large(self, n: int) -> ApiError:
         return ApiError(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes",
@@ -374,11 +567,31 @@ class OpenAIIngress:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
 
-    async def _generate(self, body: dict, *, chat: bool):
+    def _overloaded(self) -> ApiError:
+        return _translate(Overloaded(f"{self.generating.used} requests in flight (limit "
+                                     f"{self.generating.limit}); retry later"))
+
+    async def _generate(self, request: Request, *, chat: bool):
+        try:
+            self._authorize(request)
+            # Refused before its body is read when the router is full, counting the requests whose body
+            # has not started to arrive: in a burst each of those is about to take a place, and reading a
+            # body costs a round trip to Serve's proxy. A stalled upload stops counting at its first body
+            # byte, or after UNHEARD_S, so slow clients cannot hold places they are not using.
+            if self.generating.used + self.unheard.used >= self.generating.limit:
+                raise self._overloaded()
+            data = await self._read_body(request)
+        except ApiError as err:  # the rest of the body may never come: do not wait for it on this connection
+            err.headers.setdefault("Connection", "close")
+            raise
+        body = parse_body(data, request.headers.get("content-type"), request.headers.get("content-encoding"))
         req, opts = self._parse(body, chat)
+        slot = self.generating.take()
+        if slot is None:
+            raise self._overloaded()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if opts["stream"]:
-            return await self._stream(req, opts, rid, chat)
+            return await self._stream(req, opts, rid, chat, slot)
         response = self.router.generate.remote(req)
         try:
             resp: GenerateResponse = await response
@@ -387,6 +600,8 @@ class OpenAIIngress:
             raise
         except Exception as exc:
             raise _translate(exc, opts["renames"]) from None
+        finally:
+            slot.release()
         return self._full_body(resp, opts, rid, chat)
 
     def _parse(self, body: dict, chat: bool) -> tuple[GenerateRequest, dict]:
@@ -469,7 +684,7 @@ class OpenAIIngress:
                 "model": self.model_name, "choices": [choice],
                 "usage": _usage(resp.prompt_tokens, resp.completion_tokens), "speculation": resp.stats}
 
-    async def _stream(self, req: GenerateRequest, opts: dict, rid: str, chat: bool):
+    async def _stream(self, req: GenerateRequest, opts: dict, rid: str, chat: bool, slot: _Slot):
         gen = self.router.options(stream=True).generate_stream.remote(req)
         try:
             first = await gen.__anext__()  # admission and validation errors surface here, before any byte
@@ -477,14 +692,19 @@ class OpenAIIngress:
             first = None
         except asyncio.CancelledError:
             gen.cancel()
+            slot.release()
             raise
         except Exception as exc:
             gen.cancel()
+            slot.release()
             raise _translate(exc, opts["renames"]) from None
-        return StreamingResponse(self._events(gen, first, opts, rid, chat), media_type="text/event-stream",
+        events = self._events(gen, first, opts, rid, chat, slot)
+        weakref.finalize(events, _abandon, gen, slot).atexit = False
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self, gen, first: GenerateChunk | None, opts: dict, rid: str, chat: bool):
+    async def _events(self, gen, first: GenerateChunk | None, opts: dict, rid: str, chat: bool,
+                      slot: _Slot | None = None):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_key = {"usage": None} if opts["include_usage"] else {}
@@ -533,3 +753,5 @@ class OpenAIIngress:
         finally:
             if not done:  # the client went away mid-stream: cancel the router call (frees the KV caches)
                 gen.cancel()
+            if slot is not None:
+                slot.release()

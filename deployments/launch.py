@@ -1,21 +1,35 @@
 """``specserve serve``: start (or join) Ray, deploy the app, block until interrupted.
 
-Decisions made here, deliberately (README, Security): Ray's token authentication follows
-``ray.auth_mode`` in the config (``disabled`` for the default single-user local cluster, whose ports
-bind to this machine; ``token`` when joining or starting a shared cluster); the dashboard and job API
-stay off unless ``ray.include_dashboard``; HTTP binds ``http.host`` (127.0.0.1 by default).
+Decisions made here, deliberately (README, Security):
+
+- A local cluster (``ray.address`` unset) is started by ``deployments.loopback.init_local_ray``: every socket
+  of it — GCS, raylet, object manager, each worker's and replica's gRPC servers, the dashboard and
+  runtime-env agents, the metrics exporters — listens on loopback only (``tests/ray/test_sockets.py``
+  lists them). Nothing on another machine can reach it; nor can it take worker nodes.
+- Ray's token authentication follows ``ray.auth_mode`` (``token`` by default). For a local cluster the token
+  is ``cluster.secret_files.ray_token_path()`` (generated once, 0600, reused) unless ``RAY_AUTH_TOKEN`` /
+  ``RAY_AUTH_TOKEN_PATH`` name another; it guards GCS, the raylet and the dashboard agent's job API, which
+  runs even without the dashboard. Joining a cluster (``ray.address``) uses the token Ray finds itself.
+- The dashboard stays off unless ``ray.include_dashboard`` (then on 127.0.0.1, behind the token).
+- HTTP binds ``http.host`` (127.0.0.1 by default). On a local cluster the API key, however configured,
+  reaches the ingress as a private file (``http.api_key_file``): not in Serve's config, not in the
+  environment every Ray process inherits.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, HttpSpec, RaySpec
+from cluster.secret_files import ensure_token_file, private_copy, ray_token_path
+from deployments.loopback import LOCAL_ONLY_ENV, init_local_ray
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "cluster" / "examples" / "default.yaml"
@@ -38,6 +52,9 @@ def load_launch_config(config_path: str | None, host: str | None = None, port: i
     args = cfg.to_serve_args()
     args["target"]["path"] = _absolute(args["target"]["path"])
     args["draft"]["path"] = _absolute(args["draft"]["path"])
+    key_file = args["http"]["api_key_file"]
+    if key_file is not None and not key_file.startswith("~"):
+        args["http"]["api_key_file"] = os.path.abspath(key_file)  # the ingress runs in another directory
     if host is not None:
         args["http"]["host"] = host
     if port is not None:
@@ -89,37 +106,88 @@ def deploy(app, name: str, route_prefix: str | None = None, timeout_s: float = 6
     return serve.get_app_handle(name)
 
 
-def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> None:
-    """Start Ray + Serve for ``cfg`` and deploy the app; returns once it is RUNNING."""
-    os.environ["RAY_AUTH_MODE"] = cfg.ray.auth_mode
+def ray_auth_env(ray_cfg: RaySpec) -> dict[str, str]:
+    """The ``RAY_AUTH_*`` variables ``ray.init`` needs under ``ray_cfg``: the mode, and for a local cluster
+    with token auth the state directory's token file unless the environment names a token already."""
+    env = {"RAY_AUTH_MODE": ray_cfg.auth_mode}
+    if (ray_cfg.auth_mode == "token" and ray_cfg.starts_local_cluster
+            and not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        env["RAY_AUTH_TOKEN_PATH"] = str(ensure_token_file(ray_token_path()))
+    return env
+
+
+def key_to_private_file(http: HttpSpec) -> tuple[dict[str, Any], Path | None]:
+    """``http`` as serve args with its API key moved into a fresh private file (``api_key_file``), and that
+    file (None without a key or with a key file already, which is checked). An inline key would sit in
+    Serve's config; a key in this process's environment would be inherited by every Ray process, so it
+    leaves the environment here."""
+    args = http.model_dump(mode="json")
+    key = http.resolve_api_key()  # a missing variable or file fails here, before Ray starts
+    if http.api_key is None and http.api_key_env is None:
+        return args, None
+    if http.api_key_env is not None:
+        del os.environ[http.api_key_env]
+    file = private_copy(key, "api_key")
+    args.update(api_key=None, api_key_env=None, api_key_file=str(file))
+    return args, file
+
+
+def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
+    """Start Ray + Serve for ``cfg`` and deploy the app; returns once it is RUNNING, with the private API
+    key file it made (the caller removes its folder at shutdown) or None."""
+    env = ray_auth_env(cfg.ray)
+    if cfg.ray.starts_local_cluster:
+        env[LOCAL_ONLY_ENV] = "0"  # before ray is imported (init_local_ray)
+    os.environ.update(env)
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    if not ray.is_initialized():
-        # address="local" unless configured: never join a cluster some earlier `ray start` left behind.
-        ray.init(address=cfg.ray.address or "local", include_dashboard=cfg.ray.include_dashboard,
-                 log_to_driver=True,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": cfg.ray.auth_mode, "TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-    deploy(build_app(cfg.to_serve_args()), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
+    args = cfg.to_serve_args()
+    key_file = None
+    try:
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = dict(
+                include_dashboard=cfg.ray.include_dashboard, log_to_driver=True,
+                runtime_env={"env_vars": {"RAY_AUTH_MODE": cfg.ray.auth_mode, "TOKENIZERS_PARALLELISM": "false"}})
+            if cfg.ray.starts_local_cluster:
+                args["http"], key_file = key_to_private_file(cfg.http)  # before Ray starts: it inherits the env
+                init_local_ray(**kwargs)
+                token = f" RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']}" if "RAY_AUTH_TOKEN_PATH" in env else ""
+                print(f"[specserve] Ray listens on 127.0.0.1 only (GCS {ray.get_runtime_context().gcs_address}); "
+                      f"a Ray client of it needs {LOCAL_ONLY_ENV}=0 RAY_AUTH_MODE={cfg.ray.auth_mode}{token}",
+                      file=sys.stderr)
+            else:
+                ray.init(address=cfg.ray.address, **kwargs)
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        deploy(build_app(args), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
+    except BaseException:
+        if key_file is not None:
+            shutil.rmtree(key_file.parent, ignore_errors=True)
+        raise
+    return key_file
 
 
 def serve_forever(config_path: str | None = None, host: str | None = None, port: int | None = None) -> int:
     cfg = load_launch_config(config_path, host, port)
-    start(cfg)
-    url = f"http://{cfg.http.host}:{cfg.http.port}"
-    print(f"[specserve] serving {cfg.http.model_name} at {url}/v1 (health: {url}/health); Ctrl-C stops",
-          file=sys.stderr)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    print("[specserve] shutting down: draining in-flight requests", file=sys.stderr)
-    from ray import serve
-    import ray
+    key_file = None
+    try:
+        key_file = start(cfg)
+        url = f"http://{cfg.http.host}:{cfg.http.port}"
+        print(f"[specserve] serving {cfg.http.model_name} at {url}/v1 (health: {url}/health); Ctrl-C stops",
+              file=sys.stderr)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("[specserve] shutting down: draining in-flight requests", file=sys.stderr)
+        from ray import serve
+        import ray
 
-    serve.shutdown()
-    ray.shutdown()
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        if key_file is not None:
+            shutil.rmtree(key_file.parent, ignore_errors=True)
     return 0

@@ -23,13 +23,13 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded, RequestTimedOut)
+                             Overloaded, RequestTimedOut, StageUnavailable)
 from deployments.metrics import RouterMetrics
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
 from verifier.engine import Engine, Output, Request, StepEvent
 from verifier.factory import make_goodput, make_policy
-from verifier.models import load_tokenizer
+from verifier.models import has_tokenizer, load_tokenizer
 from verifier.protocol import SamplingParams
 
 log = logging.getLogger("specserve.router")
@@ -114,8 +114,8 @@ class Router:
         else:
             self.stages = RemoteStages(
                 draft_handle if settings.draft is not None else None, verifier_handle, self.limits,
-                draft_timeout_s=float(os.environ.get("SPECSERVE_DRAFT_TIMEOUT_S", "10")),
-                verify_timeout_s=float(os.environ.get("SPECSERVE_VERIFY_TIMEOUT_S", "60")),
+                draft_timeout_s=cfg.draft_pool.timeout_s, verify_timeout_s=cfg.router.verify_timeout_s,
+                probe_interval_s=cfg.router.probe_interval_s, probe_timeout_s=cfg.router.probe_timeout_s,
                 on_fallback=self.metrics.fallback, shard_prefix=f"r{os.getpid()}")
             self.engine = Engine(self.stages, policy=make_policy(settings), eos_token_ids=eos,
                                  max_len=settings.max_len, max_running=cfg.router.max_running,
@@ -296,12 +296,28 @@ class Router:
     # -- introspection ------------------------------------------------------------------------------
 
     async def health(self) -> dict:
-        """Healthy while the step loop is alive and, when there is work, making progress."""
+        """``status``: "unhealthy" when the step loop died or stalls with work waiting, or the verifier has no
+        live replica; "degraded" when only the draft pool has none (decoding continues target-only); else
+        "ok". Reads state the step loop and the stage prober keep: no stage is called here."""
         age = time.monotonic() - self.last_progress
-        ok = self._thread.is_alive() and age < float(os.environ.get("SPECSERVE_STALL_S", "30"))
-        return {"ok": ok, "step_loop_alive": self._thread.is_alive(), "seconds_since_progress": round(age, 3),
-                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "in_flight": len(self.live), "steps": self.steps}
+        alive = self._thread.is_alive()
+        stages = getattr(self, "stages", None)
+        verifier = stages.verifier_live.snapshot() if stages else None
+        draft = stages.draft_live.snapshot() if stages and stages.draft_live is not None else None
+        if not alive:
+            status, reason = "unhealthy", "the step loop died"
+        elif age >= self.cfg.router.stall_s:
+            status, reason = "unhealthy", f"no step completed for {age:.0f} s with requests waiting"
+        elif verifier is not None and not verifier["up"]:
+            status, reason = "unhealthy", f"verifier unavailable for {verifier['for_s']:.1f} s: {verifier['reason']}"
+        elif draft is not None and not draft["up"]:
+            status, reason = "degraded", (f"draft pool down for {draft['for_s']:.1f} s ({draft['reason']}); "
+                                          "decoding continues target-only")
+        else:
+            status, reason = "ok", None
+        return {"status": status, "reason": reason, "step_loop_alive": alive, "seconds_since_progress": round(age, 3),
+                "verifier": verifier, "draft_pool": draft, "running": len(self.engine.running),
+                "waiting": len(self.engine.waiting), "in_flight": len(self.live), "steps": self.steps}
 
     async def step_profile(self, reset: bool = False) -> dict:
         """Mean time per step by part (draft, verify, transport, schedule) since the last reset."""
@@ -315,6 +331,8 @@ class Router:
         return {"model": self.cfg.http.model_name, "vocab_size": self.limits.vocab_size,
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
                 "fallbacks": stages.fallbacks if stages else 0,
+                "fallback_reasons": dict(stages.fallback_reasons) if stages else {},
+                "verifier_resyncs": self.engine.verifier_resyncs,
                 "shard_prefix": stages.shard_prefix if stages else None, "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.live),
                 "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
@@ -325,6 +343,9 @@ class Router:
         Asks each stage's ``stats()`` once per micro-batch shard key, so the answers come from the replicas
         that hold this router's sequences (with several replicas per stage, ones no shard routes to are not
         asked). ``slots_in_use`` sums per replica where stats name it (``actor_name``), else per shard key.
+        Raises ``StageUnavailable`` at once for a stage marked down, and when the answers take longer than
+        half of ``router.health_timeout_s`` (Serve queues calls to a deployment without live replicas); the
+        other half is for the hops to and from the ingress, which waits ``health_timeout_s`` in all.
         """
         stages = getattr(self, "stages", None)
         out = {"cancelled": self.cancelled_total, "in_flight": len(self.live), "running": len(self.engine.running),
@@ -334,15 +355,23 @@ class Router:
         asked = [("verifier", stages.verifier)]
         if stages.draft is not None and stages.draft is not stages.verifier:
             asked.append(("draft_pool", stages.draft))
-        totals = {}
-        for name, handle in asked:
-            per_replica = {}
-            for shard in range(self.cfg.router.micro_batches):
-                key = f"{stages.shard_prefix}-{shard}"
-                stats = await stages._keyed(handle, shard).stats.remote()  # routed like the step's calls
-                out[name].append({"shard": key, **stats})
-                per_replica[stats.get("actor_name") or key] = stats.get("slots_in_use") or 0
-            totals[name] = sum(per_replica.values())
+        for name, live in (("verifier", stages.verifier_live), ("draft_pool", stages.draft_live)):
+            if live is not None and not live.up:
+                raise StageUnavailable(f"{live.name} unavailable: {live.reason}")
+        calls = [(name, f"{stages.shard_prefix}-{shard}", stages._keyed(handle, shard).stats.remote())
+                 for name, handle in asked for shard in range(self.cfg.router.micro_batches)]  # routed like steps
+        bound = self.cfg.router.health_timeout_s / 2
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*(resp for _, _, resp in calls)), bound)
+        except asyncio.TimeoutError:
+            for _, _, resp in calls:
+                resp.cancel()
+            raise StageUnavailable(f"the stages did not report within {bound:g} s") from None
+        totals: dict[str, dict] = {name: {} for name, _ in asked}
+        for (name, key, _), stats in zip(calls, answers):
+            out[name].append({"shard": key, **stats})
+            totals[name][stats.get("actor_name") or key] = stats.get("slots_in_use") or 0
+        totals = {name: sum(per_replica.values()) for name, per_replica in totals.items()}
         out["slots_in_use"] = totals
         return out
 
@@ -354,13 +383,13 @@ class Router:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        stages = getattr(self, "stages", None)
+        if stages is not None:
+            stages.close()
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
 def _maybe_tokenizer(path: str):
-    if path.startswith("builtin:") or not os.path.isfile(os.path.join(path, "tokenizer_config.json")) and \
-            not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    return load_tokenizer(path)
+    return load_tokenizer(path) if has_tokenizer(path) else None

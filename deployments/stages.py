@@ -11,6 +11,11 @@ replicas do:
 - A verify call that fails marks its rows for resync; the engine re-prefills them on the (restarted or
   rebuilt) verifier and ends a sequence with an explicit error only after repeated failures.
 
+Each stage's liveness (``StageLiveness``) comes from the step's own calls and from ``StageProber``, a
+thread that pings every stage a few times a second. While the draft pool is down, steps do not call
+it at all (target-only, no waiting), and a step already waiting on it gives up as soon as it is marked
+down instead of waiting out ``draft_pool.timeout_s``. The router's ``/health`` reads the same state.
+
 Micro-batch ``shard`` keys route through Serve's multiplexing, which prefers the replica that already
 served that key, so each micro-batch's draft KV caches stay warm on one replica.
 """
@@ -18,16 +23,21 @@ served that key, so each micro-batch's draft KV caches stay warm on one replica.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Sequence
+
+from ray.exceptions import RayActorError
 
 from cluster import wire
 from verifier.engine import Done
 from verifier.protocol import ProposalBatch, ProposeItem, VerifyItem, VerifyOutcome
 
 log = logging.getLogger("specserve.stages")
+
+WAIT_SLICE_S = 0.05  # how often a step waiting on the draft pool checks whether it was marked down
 
 
 class StageTimings:
@@ -48,6 +58,112 @@ class StageTimings:
         return out
 
 
+class StageLiveness:
+    """Whether a stage (the verifier, or the draft pool) has a replica that answers, from the latest evidence.
+
+    A call whose replica died, or a probe that no replica answered in time, marks the stage down; a later
+    success — a step call or a probe — marks it up. Success from a call that *started* before the latest
+    failure is ignored: it may have been answered just before the replica died. Times are monotonic.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        now = time.monotonic()
+        self.up = True  # the deployment was RUNNING (every replica healthy) before the router started
+        self.since = now
+        self.reason: str | None = None
+        self.last_ok = now
+        self.last_failure = -math.inf
+        self.outages = 0
+
+    def ok(self, started: float) -> None:
+        with self._lock:
+            if started < self.last_failure:
+                return
+            self.last_ok = time.monotonic()
+            if not self.up:
+                log.warning("%s is back after %.2f s down", self.name, self.last_ok - self.since)
+                self.up, self.since, self.reason = True, self.last_ok, None
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self.last_failure = time.monotonic()
+            if self.up:
+                log.warning("%s is down: %s", self.name, reason)
+                self.up, self.since, self.reason = False, self.last_failure, reason
+                self.outages += 1
+
+    def down_since(self, t: float) -> bool:
+        """Marked down at or after monotonic time ``t`` (and still down)."""
+        with self._lock:
+            return not self.up and self.since >= t
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            return {"up": self.up, "for_s": round(now - self.since, 3), "reason": self.reason,
+                    "last_ok_s_ago": round(now - self.last_ok, 3), "outages": self.outages}
+
+
+class StageProber:
+    """A daemon thread that pings every stage each ``interval_s`` (``ping`` is answered on the replica's
+    event loop, never behind model work, so a busy replica answers in milliseconds), and at once when
+    ``probe_now`` is called (a step call just failed). A probe unanswered after ``timeout_s`` marks its stage
+    down: a replica killed outright can take Ray seconds to report, and Serve queues calls to a deployment
+    with no live replica instead of failing them."""
+
+    def __init__(self, targets: list[tuple[object, StageLiveness]], *, interval_s: float, timeout_s: float):
+        self.targets = targets
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specserve-stage-prober", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def probe_now(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._probe(self.targets)
+            except Exception:  # a probe must never take the prober down with it
+                log.exception("stage probe failed")
+
+    def _probe(self, targets: list[tuple[object, StageLiveness]]) -> None:
+        started = time.monotonic()
+        calls = []
+        for handle, live in targets:
+            try:
+                calls.append((handle.ping.remote(), live))
+            except Exception as exc:  # the handle refused outright
+                live.failed(f"probe refused: {type(exc).__name__}: {exc}")
+        deadline = started + self.timeout_s
+        for resp, live in calls:
+            try:
+                resp.result(timeout_s=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                resp.cancel()
+                live.failed(f"no replica answered a probe within {self.timeout_s:g} s")
+            except RayActorError as exc:
+                live.failed(f"replica died ({type(exc).__name__})")
+            except Exception as exc:
+                live.failed(f"probe failed: {type(exc).__name__}: {exc}")
+            else:
+                live.ok(started)
+
+
 class _Pending:
     def __init__(self, response, finish, started: float):
         self.response, self.finish, self.started = response, finish, started
@@ -56,10 +172,14 @@ class _Pending:
         return self.finish(self.response, self.started)
 
 
+class _DraftDown(Exception):
+    """The draft pool was marked down while a step waited on its proposal."""
+
+
 class RemoteStages:
     def __init__(self, draft_handle, verifier_handle, limits: wire.WireLimits, *, draft_timeout_s: float,
-                 verify_timeout_s: float, on_fallback=None, timings: StageTimings | None = None,
-                 shard_prefix: str = "mb"):
+                 verify_timeout_s: float, probe_interval_s: float, probe_timeout_s: float, on_fallback=None,
+                 timings: StageTimings | None = None, shard_prefix: str = "mb"):
         self.draft = draft_handle  # None: no proposer (target-only decoding)
         self.verifier = verifier_handle
         self.limits = limits
@@ -69,9 +189,31 @@ class RemoteStages:
         self.timings = timings or StageTimings()
         self.shard_prefix = shard_prefix
         self.fallbacks = 0
+        self.fallback_reasons: Counter = Counter()
+        self.verifier_live = StageLiveness("verifier")
+        targets = [(verifier_handle, self.verifier_live)]
+        if draft_handle is None:
+            self.draft_live = None
+        elif draft_handle is verifier_handle:  # colocated: the verifier replicas draft too
+            self.draft_live = self.verifier_live
+        else:
+            self.draft_live = StageLiveness("draft pool")
+            targets.append((draft_handle, self.draft_live))
+        self.prober = StageProber(targets, interval_s=probe_interval_s, timeout_s=probe_timeout_s)
+        self.prober.start()
+
+    def close(self) -> None:
+        self.prober.stop()
 
     def _keyed(self, handle, shard: int):
         return handle.options(multiplexed_model_id=f"{self.shard_prefix}-{shard}")
+
+    def _call_failed(self, live: StageLiveness, exc: BaseException) -> None:
+        """A step call failed: a dead replica marks its stage down at once; any failure asks for a probe,
+        which marks the stage up again within milliseconds if another replica answers."""
+        if isinstance(exc, RayActorError):
+            live.failed(f"replica died ({type(exc).__name__})")
+        self.prober.probe_now()
 
     # -- propose -------------------------------------------------------------------------------------
 
@@ -80,52 +222,80 @@ class RemoteStages:
         bases = {it.sync.seq_id: it.sync.base for it in items}
         if self.draft is None:
             return Done(ProposalBatch.empty(seq_ids))
+        if not self.draft_live.up:  # nobody to ask: decode target-only without waiting
+            return Done(self._fallback(seq_ids, "draft_down"))
         frame = wire.encode_propose(items)
         handle = self._keyed(self.draft, shard)
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             response = handle.propose.remote(frame)
         except Exception as exc:  # the handle itself refused (no replicas): same as a dead replica
+            self._call_failed(self.draft_live, exc)
             return Done(self._fallback(seq_ids, "draft_died", exc))
 
         def finish(resp, t0):
             try:
-                data = resp.result(timeout_s=self.draft_timeout_s)
+                data = self._await_proposal(resp, t0)
+            except _DraftDown:
+                resp.cancel()
+                return self._fallback(seq_ids, "draft_down")
             except TimeoutError as exc:
                 resp.cancel()
+                self._call_failed(self.draft_live, exc)
                 return self._fallback(seq_ids, "draft_timeout", exc)
             except Exception as exc:  # RayActorError, ActorDiedError, replica-side exceptions
+                self._call_failed(self.draft_live, exc)
                 return self._fallback(seq_ids, "draft_died", exc)
+            self.draft_live.ok(t0)
             try:
                 batch = wire.decode_proposal(data, self.limits)
                 if batch.seq_ids != seq_ids:
                     raise wire.WireError("proposal rows do not match the request")
             except wire.WireError as exc:
                 return self._fallback(seq_ids, "draft_garbage", exc)
-            self.timings.add("draft", time.perf_counter() - t0, batch.draft_seconds)
+            self.timings.add("draft", time.monotonic() - t0, batch.draft_seconds)
             moved = [s for s in batch.resync if bases[s] > 0]
             if moved:  # a replica that never saw these sequences (the old one died or was scaled down)
-                self.fallbacks += 1
-                self.on_fallback("draft_resync", len(moved))
+                self._count("draft_resync", len(moved))
             return batch
 
         return _Pending(response, finish, started)
 
-    def _fallback(self, seq_ids: list[int], reason: str, exc: BaseException) -> ProposalBatch:
-        self.fallbacks += 1
-        log.warning("draft pool %s (%s): %d sequences take a target-only step", reason, exc, len(seq_ids))
-        self.on_fallback(reason, len(seq_ids))
+    def _await_proposal(self, resp, started: float):
+        """The proposal's frame, waiting at most ``draft_timeout_s`` — and no longer than it takes the
+        prober (or another call) to mark the draft pool down."""
+        deadline = started + self.draft_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return resp.result(timeout_s=max(0.0, min(WAIT_SLICE_S, remaining)))
+            except TimeoutError:
+                if self.draft_live.down_since(started):
+                    raise _DraftDown from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _fallback(self, seq_ids: list[int], reason: str, exc: BaseException | None = None) -> ProposalBatch:
+        if exc is not None:  # "draft_down" steps are logged once, by the liveness transition
+            log.warning("draft pool %s (%s): %d sequences take a target-only step", reason, exc, len(seq_ids))
+        self._count(reason, len(seq_ids))
         return ProposalBatch.empty(seq_ids, resync=seq_ids)
+
+    def _count(self, reason: str, n: int) -> None:
+        self.fallbacks += 1
+        self.fallback_reasons[reason] += 1
+        self.on_fallback(reason, n)
 
     # -- verify --------------------------------------------------------------------------------------
 
     def submit_verify(self, items: Sequence[VerifyItem], proposal: ProposalBatch, shard: int = 0):
         seq_ids = [it.sync.seq_id for it in items]
         frame = wire.encode_verify(items, proposal)
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             response = self._keyed(self.verifier, shard).verify.remote(frame)
         except Exception as exc:
+            self._call_failed(self.verifier_live, exc)
             return Done(self._lost(seq_ids, exc))
 
         def finish(resp, t0):
@@ -134,10 +304,13 @@ class RemoteStages:
                 outcome = wire.decode_outcome(data, self.limits)
             except TimeoutError as exc:
                 resp.cancel()
+                self._call_failed(self.verifier_live, exc)
                 return self._lost(seq_ids, exc)
             except Exception as exc:
+                self._call_failed(self.verifier_live, exc)
                 return self._lost(seq_ids, exc)
-            self.timings.add("verify", time.perf_counter() - t0, outcome.verify_seconds)
+            self.verifier_live.ok(t0)
+            self.timings.add("verify", time.monotonic() - t0, outcome.verify_seconds)
             return outcome
 
         return _Pending(response, finish, started)

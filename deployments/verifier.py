@@ -16,6 +16,7 @@ from ray import serve
 from cluster import wire
 from cluster.config import ClusterConfig
 from deployments.metrics import SlotGauge
+from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
 from verifier.factory import EngineSettings, make_proposer
@@ -40,6 +41,7 @@ def group_verify_stage(settings: EngineSettings, cfg: ClusterConfig):
 class Verifier(StageHost):
     def __init__(self, args: dict, *, stage_factory=None, proposer_factory=None):
         cfg = ClusterConfig.from_dict(args)
+        start_replica(cfg, "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)")
         self._init_host(wire_limits(cfg))
         settings = engine_settings(cfg)
         factory = stage_factory or (group_verify_stage if cfg.target.tensor_parallel > 1 else local_verify_stage)

@@ -16,8 +16,11 @@ Contract:
   a re-prefill, never a token.
 - ``health`` raises ``VerifierGroupError`` when a rank does not answer; it never rebuilds (a verify does).
 
-Ranks run with ``OMP_NUM_THREADS`` = their whole-CPU reservation (at least 1) so that ranks sharing a node
-do not oversubscribe it.
+Each rank sets itself up as a replica does (``deployments.replica_process``): its torch threads are
+``omp_threads`` — an integer, or 'auto' (``cluster.threads``: on CPU the node's cores divided among the ranks
+a PACK/STRICT_PACK group puts on it, on GPU floor(num_cpus)) — checked against its node's cores, and by default
+(``omp_threads`` None) its whole-CPU reservation, at least 1, so that ranks sharing a node do not
+oversubscribe it. An integer also goes into the rank's ``OMP_NUM_THREADS`` from the start.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import wire
+from cluster.node import cpu_cores
+from cluster.threads import resolve_threads
+from deployments.replica_process import check_memory, configure_process, model_process_env
 from verifier.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.verify import AcceptanceConfig
 
@@ -73,6 +79,13 @@ class VerifierRankActor:
         from verifier.tensor_parallel import DistConfig, TPVerifierRank
 
         opts = self.options
+        need = opts.get("memory_plan") or {}
+        threads = resolve_threads(opts["threads"], cores=cpu_cores(), on_gpu=opts["num_gpus"] > 0,
+                                  num_cpus=opts["num_cpus"], where="verifier.num_threads",
+                                  sharing=opts["threads_sharing"], weight_bytes=need.get("weights"))
+        if need:
+            check_memory("verifier rank", need["bytes"], opts["num_gpus"], opts["num_gpus"] > 0, need["report"])
+        configure_process(threads)
         dist = None
         if self.world_size > 1:
             dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
@@ -83,7 +96,7 @@ class VerifierRankActor:
         self.tp = TPVerifierRank(self.spec, dist, device=opts.get("device", "auto"), dtype=opts.get("dtype", "auto"),
                                  max_slots=opts["max_slots"], max_len=opts["max_len"],
                                  kv_bucket=opts.get("kv_bucket", 16), acceptance=acceptance,
-                                 threads=opts.get("threads"), tp_grain_size=opts.get("tp_grain_size"),
+                                 threads=threads, tp_grain_size=opts.get("tp_grain_size"),
                                  load=opts.get("load", "full"))
         limits = opts.get("limits") or {}
         self.limits = wire.WireLimits(vocab_size=self.tp.vocab_size,
@@ -129,8 +142,10 @@ class VerifierGroup:
                  acceptance: AcceptanceConfig | None = None, limits: wire.WireLimits | None = None,
                  num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  accelerator_type: str | None = None, placement_strategy: str | None = None, span_nodes: bool = False,
-                 backend: str | None = None, cpu_shm_allreduce: bool = False, omp_threads: int | None = None,
-                 tp_grain_size: int | None = None, load: str = "full", placement_timeout_s: float = 120.0,
+                 backend: str | None = None, cpu_shm_allreduce: bool = False,
+                 omp_threads: int | str | None = None,
+                 tp_grain_size: int | None = None, load: str = "full", memory_plan: dict | None = None,
+                 placement_timeout_s: float = 120.0,
                  setup_timeout_s: float = 900.0, verify_timeout_s: float = 300.0, dist_timeout_s: float = 300.0,
                  start: bool = True):
         if tp_size < 1:
@@ -152,14 +167,17 @@ class VerifierGroup:
         self.verify_timeout_s = verify_timeout_s
         if device == "auto" and num_gpus == 0:
             device = "cpu"  # a rank without a reserved GPU must not grab one it happens to see
-        self.threads = omp_threads or max(1, int(num_cpus))
+        self.threads = omp_threads if omp_threads is not None else max(1, int(num_cpus))
         self.options: dict[str, Any] = {
             "device": device, "dtype": dtype, "max_slots": max_slots, "max_len": max_len, "kv_bucket": kv_bucket,
             "acceptance": asdict(acceptance) if acceptance is not None else None,
             "limits": ({"gamma_max": limits.gamma_max, "max_batch": limits.max_batch,
                         "max_seq_len": limits.max_seq_len} if limits is not None else None),
             "backend": backend, "cpu_shm_allreduce": cpu_shm_allreduce, "threads": self.threads,
+            "threads_sharing": tp_size if strategy in ("STRICT_PACK", "PACK") else 1,
+            "num_cpus": num_cpus, "num_gpus": num_gpus,
             "tp_grain_size": tp_grain_size, "load": load, "dist_timeout_s": dist_timeout_s,
+            "memory_plan": memory_plan,
         }
         self._lock = threading.RLock()
         self.actors: list = []
@@ -176,13 +194,18 @@ class VerifierGroup:
     @classmethod
     def from_config(cls, settings, cfg, **overrides) -> "VerifierGroup":
         """From the verifier deployment's ``EngineSettings`` and ``ClusterConfig`` (see deployments.verifier)."""
+        from cluster.memory_plan import plan
         from deployments.settings import wire_limits
 
-        v = cfg.verifier
+        v, full = cfg.verifier, plan(cfg)
+        rank = next((r for r in full.replicas if r.role == "verifier rank"), None)  # None when tp is 1
         kwargs = dict(tp_size=cfg.target.tensor_parallel, device=settings.device, dtype=settings.dtype,
                       max_slots=settings.max_slots, max_len=settings.max_len, acceptance=settings.acceptance,
                       limits=wire_limits(cfg), num_cpus=v.num_cpus, num_gpus=v.num_gpus, resources=v.resources,
-                      accelerator_type=v.accelerator_type, placement_strategy=v.placement_strategy)
+                      accelerator_type=v.accelerator_type, placement_strategy=v.placement_strategy,
+                      omp_threads=v.num_threads,
+                      memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,
+                                            "report": full.report()})
         kwargs.update(overrides)
         return cls(settings.target, **kwargs)
 
@@ -219,8 +242,7 @@ class VerifierGroup:
             raise VerifierGroupError(
                 f"cannot place {self.tp_size} verifier ranks of {self._bundle()} with {self.strategy} within "
                 f"{self.placement_timeout_s:.0f} s (not enough free resources on one node?)") from None
-        env = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {"TOKENIZERS_PARALLELISM": "false", **model_process_env(self.threads)}
         self.actors = []
         for rank in range(self.tp_size):
             opts: dict[str, Any] = dict(

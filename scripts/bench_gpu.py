@@ -15,15 +15,16 @@ draft; ε sets their greedy agreement), then measures, side by side in one run:
   implies: target weight bytes / bandwidth = the least time of one target step, and the batch-1 tokens/s
   that allows;
 - plain decoding tokens/s at batch 1: this engine, and Hugging Face ``generate``;
-- per scenario (α ≈ 0.89 / 0.62 / 0.18, the seeds' JSON / code / prose; ε calibrated for each): speculative
-  tokens/s at batch 1 (adaptive γ unless ``--gamma``), the acceptance rate, acceptance length, α, mean γ,
-  the measured cost ratio c (one draft forward / one target step) and the Leviathan bound
+- per scenario (α ≈ 0.89 / 0.62 / 0.18, the reference article's JSON / code / prose; ε calibrated for each):
+  speculative tokens/s at batch 1 (adaptive γ unless ``--gamma``), the acceptance rate, acceptance
+  length, α, mean γ, the measured cost ratio c (one draft forward / one target step) and the Leviathan bound
   S = (1−α^(γ+1)) / ((1−α)(γc+1)) at those values; HF ``generate(assistant_model=draft)``; and how many
   speculative outputs are token-identical to plain decoding (in bf16, near-ties may differ);
 - a batch scan (1 … 64 sequences): plain, speculative, and speculative under the goodput guard
   (``verifier/goodput.py``), median tokens/s of ``--repeats`` runs each;
-- the seeds' claimed 3.8× / 3.0× / 1.8× beside the measured gains, with the cap 1/(1−α) that binds any draft
-  (2.63× at α 0.62, 1.22× at α 0.18); ``--large`` (c ≤ 0.05) is the mode where that comparison is fairest.
+- the reference article's claimed 3.8× / 3.0× / 1.8× (docs/design.md#the-reference-article) beside the
+  measured gains, with the cap 1/(1−α) that binds any draft (2.63× at α 0.62, 1.22× at α 0.18);
+  ``--large`` (c ≤ 0.05) is the mode where that comparison is fairest.
 
 Prints a table and writes JSON (``--out``, default bench-out/bench_gpu.json). A CPU run is labelled
 "CPU tiny-scale run, not H200 figures": nothing here estimates GPU figures, it only measures where it
@@ -54,7 +55,7 @@ from verifier.gamma import expected_speedup  # noqa: E402  (S = (1−α^(γ+1)) 
 
 CPU_LABEL = "CPU tiny-scale run, not H200 figures"
 SCENARIOS = (("json", 0.89), ("code", 0.62), ("prose", 0.18))
-SEED_CLAIMS = {"json": 3.8, "code": 3.0, "prose": 1.8}  # the seeds' claimed speed-ups
+SEED_CLAIMS = {"json": 3.8, "code": 3.0, "prose": 1.8}  # the reference article's claimed speed-ups
 FORBIDDEN = ("ray", "pydantic", "deepspeed")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -374,7 +375,7 @@ def batch_scan(args, bench: Bench, budget: Budget, epsilons: dict, vocab: int, t
 
 
 def seed_comparison(scenarios: list[dict]) -> list[dict]:
-    """The seeds' claimed speed-ups beside what was measured and what any draft could give at that α."""
+    """The reference article's claimed speed-ups beside what was measured and what any draft could give."""
     rows = []
     for s in scenarios:
         cap_wanted = 1 / (1 - s["wanted_alpha"])
@@ -419,10 +420,11 @@ def table(result: dict) -> str:
     elif scan.get("note"):
         lines += ["", scan["note"]]
     if result["seed_comparison"]:
-        lines += ["", "seeds' claims vs this run (the cap 1/(1−α) binds any draft, even at c = 0 and γ → ∞):"]
+        lines += ["", "the reference article's claims vs this run (the cap 1/(1−α) binds any draft, even at c = 0 "
+                        "and γ → ∞):"]
         for r in result["seed_comparison"]:
             note = " — the claim exceeds the cap" if r["claim_exceeds_cap"] else ""
-            lines.append(f"  {r['name']:6} α {r['alpha']:.2f}: seeds {r['seed_claim']:.1f}×, cap "
+            lines.append(f"  {r['name']:6} α {r['alpha']:.2f}: claimed {r['seed_claim']:.1f}×, cap "
                          f"{r['cap_1_over_1_minus_alpha']:.2f}×{note}; measured {r['measured_speedup']:.2f}×, "
                          f"bound at measured α/γ/c {r['leviathan_bound_measured']:.2f}×")
     if result["skipped"]:

@@ -47,6 +47,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from verifier.quality import code_ok, json_ok
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 DOMAINS = ("json", "code", "prose")
@@ -942,65 +944,6 @@ def evaluate_loss(model, heldout: dict, bsz=8):
 # --------------------------------------------------------------------------------------
 # Quality check
 # --------------------------------------------------------------------------------------
-
-def first_json_value(s: str):
-    """Prefix of s (starting with { or [) up to the end of the first complete value."""
-    depth, in_str, esc = 0, False, False
-    for i, ch in enumerate(s):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return s[: i + 1]
-    return None
-
-
-def json_ok(prompt: str, output: str) -> bool:
-    opening = prompt.rsplit("\n", 1)[-1]
-    cand = first_json_value(opening + output)
-    if cand is None:
-        return False
-    try:
-        json.loads(cand)
-        return True
-    except ValueError:
-        return False
-
-
-def code_ok(prompt: str, output: str) -> bool:
-    """Prompt + output trimmed to the last complete line, stopped before any new top-level
-    statement after the completed function, trailing body-less block openers (truncation
-    artefacts) dropped; must still contain at least one generated non-blank line and be
-    accepted by ast.parse."""
-    text = prompt + output
-    text = text[: text.rfind("\n") + 1]
-    lines = text.split("\n")
-    n_prompt = prompt.count("\n")  # the prompt ends with "\n": lines[n_prompt:] are generated
-    kept = lines[:n_prompt]
-    for ln in lines[n_prompt:]:
-        if ln and not ln[0].isspace() and not ln.startswith(("#", ")", "]", "}")):
-            break  # a new top-level statement: keep only the completed def
-        kept.append(ln)
-    while len(kept) > n_prompt and (not kept[-1].strip() or kept[-1].rstrip().endswith(":")):
-        kept.pop()
-    if not any(ln.strip() and not ln.lstrip().startswith("#") for ln in kept[n_prompt:]):
-        return False
-    try:
-        ast.parse("\n".join(kept) + "\n")
-        return True
-    except SyntaxError:
-        return False
-
 
 def load_prompts():
     sets = {}

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""A synthetic target/draft pair built from config, where the target *extends* the draft (DESIGN.md §8).
+"""A synthetic target/draft pair built from config, where the target *extends* the draft.
+
+Why and how it is used: docs/design.md#fidelity-and-test-models.
 
 The draft is a randomly initialised ``LlamaForCausalLM``. The target shares its embeddings, final norm and
 LM head, and contains every draft layer, widened (more attention heads, a wider MLP) and interleaved with
@@ -14,8 +16,8 @@ the whole ``o_proj``/``down_proj`` of an extra layer — and those are scaled by
 
 ``calibrate_epsilon`` finds the ε that gives a wanted α — measured as the share of positions where the
 draft's argmax equals the target's along the target's own greedy continuation of random prompts, which is
-what greedy speculative decoding accepts position by position. The seeds' scenarios are α ≈ 0.89 (JSON),
-0.62 (code) and 0.18 (prose).
+what greedy speculative decoding accepts position by position. The reference article's scenarios
+(docs/design.md#the-reference-article) are α ≈ 0.89 (JSON), 0.62 (code) and 0.18 (prose).
 
 Weights are built directly on the requested device and dtype (``with torch.device(dev)`` construction,
 then in-place init from per-tensor seeded generators), so a multi-billion-parameter pair on a GPU never

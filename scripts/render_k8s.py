@@ -17,7 +17,9 @@ Layout (``cluster.placement.REFERENCE_NODES``): a CPU head with ``num-cpus: 0`` 
 group per GPU node type — ``verifier-h200`` (``nvidia.com/gpu: 8``, ``specserve_target: 8``) and
 ``draft-l4`` (``nvidia.com/gpu: 4``, ``specserve_draft: 4``) — pinned to their instance types with a
 nodeSelector. Ray's token auth is on (``authOptions.mode: token``; KubeRay ≥ 1.5.1 makes and mounts the
-token). ``validate_manifest`` checks a manifest against the KubeRay CRD (jsonschema on the served
+token). The HTTP API key is the Secret ``specserve-api-key`` (key ``api-key``) mounted in every pod as the
+file ``http.api_key_file`` names (``~`` = the image user's home, /home/ray), which only the ingress reads.
+``validate_manifest`` checks a manifest against the KubeRay CRD (jsonschema on the served
 version's ``openAPIV3Schema``, plus a strict pass for keys the schema does not define, plus KubeRay's own
 replica-count rules) and its ``serveConfigV2`` against Ray Serve's schema.
 """
@@ -29,7 +31,7 @@ import functools
 import json
 import sys
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -47,9 +49,10 @@ DEFAULT_IMAGE = "registry.example.com/specserve:0.1.0"  # replace: the project i
 RAY_VERSION = "2.60.0"
 NAME = "specserve"
 NODE_SELECTOR_KEY = "node.kubernetes.io/instance-type"
-API_KEY_SECRET = ("specserve-api-key", "api-key")  # Secret name and key holding http.api_key_env's value
+API_KEY_SECRET = ("specserve-api-key", "api-key")  # Secret name and key holding the HTTP API key
+IMAGE_HOME = "/home/ray"  # HOME of the rayproject images' user: what `~` in http.api_key_file means in a pod
 MODELS_CLAIM = "specserve-models"  # a ReadOnlyMany PersistentVolumeClaim with /models/target, /models/draft
-CRD_DIR = REPO.parent / "shared" / "kuberay-crds"  # beside the repository; never copied into it
+CRD_DIR = REPO / "k8s" / "schemas" / "kuberay"  # vendored KubeRay CRDs (SOURCE.md there: origin, licence)
 
 # Pod size per node type: what a pod may request on that machine (the kubelet and daemons keep the rest).
 POD_SIZE = {
@@ -63,10 +66,25 @@ ROLES = {"verifier_h200": "verifier", "draft_l4": "draft"}
 
 def _env(cfg: ClusterConfig) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
-    if cfg.http.api_key_env:
+    if cfg.http.api_key_env:  # the config's choice; every Ray process of the pod then holds it (prefer the file)
         name, key = API_KEY_SECRET
         env.append({"name": cfg.http.api_key_env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     return env
+
+
+def _api_key_file(cfg: ClusterConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Volumes and mounts that put the Secret's key at ``http.api_key_file`` in every pod (the ingress may
+    land on any): a file only the ingress reads, in no process's environment."""
+    if cfg.http.api_key_file is None:
+        return [], []
+    raw = cfg.http.api_key_file
+    path = PurePosixPath(IMAGE_HOME + raw[1:] if raw.startswith("~/") else raw)
+    if not path.is_absolute() or path.parent == PurePosixPath("/"):
+        raise RenderError(f"http.api_key_file: {raw!r} must be an absolute path below a folder, or start with ~/, "
+                          "to be mounted from the Secret")
+    name, key = API_KEY_SECRET
+    volume = {"name": "api-key", "secret": {"secretName": name, "items": [{"key": key, "path": path.name}]}}
+    return [volume], [{"name": "api-key", "mountPath": str(path.parent), "readOnly": True}]
 
 
 def _ray_resources(node: NodeType) -> str:
@@ -74,7 +92,8 @@ def _ray_resources(node: NodeType) -> str:
     return '"' + json.dumps(node.custom, sort_keys=True).replace('"', '\\"') + '"'
 
 
-def _container(name: str, image: str, size: Mapping[str, str], gpus: int, env: list, *, head: bool) -> dict:
+def _container(name: str, image: str, size: Mapping[str, str], gpus: int, env: list, key_mounts: list, *,
+               head: bool) -> dict:
     limits = dict(size)
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
@@ -83,13 +102,15 @@ def _container(name: str, image: str, size: Mapping[str, str], gpus: int, env: l
     if head:
         c["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
                       {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
+        if key_mounts:
+            c["volumeMounts"] = list(key_mounts)
     else:
         c["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True},
-                             {"name": "dshm", "mountPath": "/dev/shm"}]
+                             {"name": "dshm", "mountPath": "/dev/shm"}, *key_mounts]
     return c
 
 
-def _worker_group(node: NodeType, image: str, env: list) -> dict[str, Any]:
+def _worker_group(node: NodeType, image: str, env: list, key_file: tuple[list, list]) -> dict[str, Any]:
     gpus = int(node.resources.get("GPU", 0))
     return {
         "groupName": GROUP_NAMES[node.name],
@@ -102,11 +123,13 @@ def _worker_group(node: NodeType, image: str, env: list) -> dict[str, Any]:
             "spec": {
                 "nodeSelector": {NODE_SELECTOR_KEY: node.instance_type},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "containers": [_container("ray-worker", image, POD_SIZE[node.name], gpus, env, head=False)],
+                "containers": [_container("ray-worker", image, POD_SIZE[node.name], gpus, env, key_file[1],
+                                          head=False)],
                 "volumes": [
                     {"name": "models", "persistentVolumeClaim": {"claimName": MODELS_CLAIM, "readOnly": True}},
                     # NCCL and the object store want a large /dev/shm; the container default is 64 MiB.
                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+                    *key_file[0],
                 ],
             },
         },
@@ -121,6 +144,7 @@ def ray_cluster_spec(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_r
         raise RenderError("ray.auth_mode: a Kubernetes cluster is reachable by other pods; render it with "
                           "auth_mode 'token' (the manifests turn on KubeRay's authOptions)")
     env = _env(cfg)
+    key_file = _api_key_file(cfg)
     head = next(n for n in nodes if n.name == "head")
     spec: dict[str, Any] = {
         "rayVersion": RAY_VERSION,
@@ -141,10 +165,11 @@ def ray_cluster_spec(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_r
         "rayStartParams": {"num-cpus": str(int(head.resources.get("CPU", 0))), "dashboard-host": "0.0.0.0"},
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": NAME, "specserve/role": "head"}},
-            "spec": {"containers": [_container("ray-head", image, POD_SIZE["head"], 0, env, head=True)]},
+            "spec": {"containers": [_container("ray-head", image, POD_SIZE["head"], 0, env, key_file[1], head=True)],
+                     **({"volumes": key_file[0]} if key_file[0] else {})},
         },
     }
-    spec["workerGroupSpecs"] = [_worker_group(n, image, env) for n in nodes if n.name != "head"]
+    spec["workerGroupSpecs"] = [_worker_group(n, image, env, key_file) for n in nodes if n.name != "head"]
     return spec
 
 

@@ -9,7 +9,7 @@ The Serve config holds one application whose ``import_path`` is ``deployments.ap
 and placement (``ray_actor_options``) is derived by ``build_app`` alone — the Serve config sets no
 per-deployment overrides that could disagree with it. ``http_options`` come from ``http.host/port``.
 A config with ``http.api_key`` set is refused: the key would sit in clear in a committed file and in
-Ray's dashboard; use ``http.api_key_env``.
+Ray's dashboard; use ``http.api_key_file`` (a file on every node that only the ingress reads).
 
 The same ``serve_config()`` feeds ``serveConfigV2`` of the KubeRay manifests (scripts/render_k8s.py).
 """
@@ -46,8 +46,8 @@ class RenderError(ValueError):
 def serve_config(cfg: ClusterConfig, *, app_name: str = APP_NAME) -> dict[str, Any]:
     """The ``serve deploy`` document for ``cfg`` (a plain, JSON-able dict)."""
     if cfg.http.api_key is not None:
-        raise RenderError("http.api_key: would be written in clear into the Serve config; use http.api_key_env "
-                          "(an environment variable of the ingress replica) instead")
+        raise RenderError("http.api_key: would be written in clear into the Serve config; use http.api_key_file "
+                          "(a file on every node, read by the ingress replica only) instead")
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.http.host, "port": cfg.http.port},

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The serve command: sets up .venv (idempotent) and serves the embedded default pair on 127.0.0.1:8000.
+# The serve command: sets up .venv (idempotent) and serves the embedded default pair on 127.0.0.1:8000,
+# from a local Ray cluster that listens on 127.0.0.1 only, with Ray token auth (README, Security).
 # Extra arguments go to `specserve serve` (e.g. --config cluster/examples/local.yaml --port 8001).
 set -euo pipefail
 cd "$(dirname "$0")/.."

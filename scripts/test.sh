@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-# A local single-user test cluster: Ray's token auth is switched off deliberately (see README, Security).
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+# The session's test cluster listens on loopback only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's local-only
+# mode, set before any test imports ray; tests/ray/conftest.py checks it), so Ray's token auth is off for
+# it (README, Security). specserve serve, and tests/ray/test_sockets.py's launch of it, use token auth.
+export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"

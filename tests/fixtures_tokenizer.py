@@ -6,7 +6,7 @@ wraps it as a ``PreTrainedTokenizerFast`` (``<s>`` / ``</s>`` / ``<pad>`` at ids
 draft ``noisy_copy(target, 0.05, 1)`` in a temporary folder that is removed at interpreter exit. The
 result is cached per process, so every test module of a session shares one pair.
 
-``reference(...)`` is the fidelity reference of DESIGN.md §5: the target alone, Hugging Face
+``reference(...)`` is the greedy reference of docs/design.md#fidelity-and-test-models: the target alone, HF
 ``generate``, greedy, one prompt at a time, no padding, fp32 on CPU.
 """
 

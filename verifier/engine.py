@@ -188,6 +188,7 @@ class Engine:
         k = sorted(groups)[self._turn % len(groups)]
         self._turn += 1
         started = self.goodput.clock() if self.goodput is not None else 0.0
+        step_start = time.perf_counter()  # the γ policy's cost model: wall time of the whole step
 
         pending = self._pending.pop(k, None)
         # Verify exactly the rows the in-flight proposal was drafted for: a sequence that joined the group
@@ -209,6 +210,8 @@ class Engine:
         outcome: VerifyOutcome = verify.result()
         self.last_step_wait = waited + time.perf_counter() - t0
         committed = self._commit(batch, proposal, outcome)
+        if not prefill:  # a prefill's time is not what a decode step costs
+            self.policy.observe_step(len(batch), int(proposal.lengths.max()), time.perf_counter() - step_start)
         plan = pending[2]
         if plan is not None and not prefill:
             # Wall time of this step; with several micro-batches it includes drafting the following one
@@ -220,9 +223,10 @@ class Engine:
 
     def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int], StepPlan | None]:
         plan = self.goodput.choose(len(batch)) if self.goodput is not None and self.speculate else None
+        chosen = 0 if plan is not None and not plan.speculate else self._gamma(batch)
         items = []
         for seq in batch:
-            gamma = 0 if plan is not None and not plan.speculate else self._gamma(seq)
+            gamma = self._room(seq, chosen)
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)
@@ -234,13 +238,14 @@ class Engine:
         members = {s.seq_id: s for s in group}
         return [members[i] for i in pending[1] if i in members]
 
-    def _gamma(self, seq: Sequence) -> int:
-        if not self.speculate:
-            return 0
+    def _gamma(self, batch: list[Sequence]) -> int:
+        return self.policy.choose([seq.gamma_state for seq in batch]) if self.speculate else 0
+
+    def _room(self, seq: Sequence, gamma: int) -> int:
+        """γ for one row: drafting past max_tokens is wasted (the step emits up to γ + 1 tokens)."""
         remaining = seq.request.max_tokens - len(seq.generated)
         room = self.max_len - len(seq.tokens) - 1
-        # Drafting past max_tokens is wasted: the step emits up to gamma + 1 tokens.
-        return max(0, min(self.policy.choose(seq.gamma_state), remaining - 1, room))
+        return max(0, min(gamma, remaining - 1, room))
 
     def _verify_items(self, batch: list[Sequence]) -> list[VerifyItem]:
         return [VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])), s.request.sampling)
@@ -250,10 +255,6 @@ class Engine:
         for seq_id in proposal.resync:
             if seq_id in self.running:
                 self.running[seq_id].proposer_base = 0  # the proposer lost it: resend the whole history
-        drafted = int(proposal.lengths.max()) if len(proposal.lengths) else 0
-        if drafted and outcome.verify_seconds > 0 and proposal.draft_seconds > 0:
-            c = (proposal.draft_seconds / drafted) / outcome.verify_seconds
-            self.policy.cost_ratio = 0.8 * self.policy.cost_ratio + 0.2 * c
         step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds)
         events = []
         for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,

@@ -1,7 +1,7 @@
 """A compact forward for Llama-family models over ragged rows with per-row positions.
 
 Why not Hugging Face's own forward with a custom Cache + registered attention function? Both were tried
-(DESIGN.md §4): they give the same logits, but the HF route depends on version-specific names
+(docs/design.md#the-forward): they give the same logits, but the HF route depends on version-specific names
 (``cache_position`` vs ``position_ids``, ``past_key_values`` vs ``cache``, ``CacheLayerMixin``), and the
 GPU image runs transformers 5.17 while this machine runs 5.24; the HF route also costs ~0.3 ms of Python
 per call, which is a large share of a tiny model's step. This forward calls the model's own submodules

@@ -1,22 +1,50 @@
-"""Draft length per sequence: fixed, or adaptive from the Leviathan et al. speed-up model.
+"""Draft length γ: fixed, or adaptive from measured step costs and the Leviathan et al. speed-up model.
 
-With per-position acceptance α and cost ratio c (draft step / target step), a chain of γ drafts yields
-on average (1 − α^(γ+1)) / (1 − α) tokens per step at a cost of (γc + 1) target steps, so the expected
-speed-up over plain decoding is
+With per-position acceptance α, a chain of γ drafts yields on average (1 − α^(γ+1)) / (1 − α) tokens per
+step. Leviathan et al. price a step at (γc + 1) target steps, with c = draft step / target step, giving
 
     S(γ) = (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
 
-The adaptive policy keeps a smoothed α per sequence (accepted / (accepted + rejections), with a prior so
-a fresh sequence starts at a moderate γ) and picks the γ in [γ_min, γ_max] that maximises S. High α
-favours *long* chains and low α short ones — the opposite of the seeds' advice (2–3 tokens for
-high-acceptance text, 4–5 for low); the benchmark reports what this policy actually picks. When even the
-best γ would not beat plain decoding (S < 1, e.g. α tiny or c large), γ = 0 turns speculation off for
-the sequence; every ``probe_every`` steps it drafts one token to notice when speculation pays again.
+That price assumes a verify of γ + 1 tokens per row costs what a plain step of one token costs, and
+that nothing but the two forwards costs time. Neither holds once the target is compute-bound (a CPU, or
+a GPU at a large batch), nor where the step's own bookkeeping is a sizeable share (small models, large
+batches). The adaptive policy prices a step with what the engine measured instead, per batch-size bucket
+(``CostModel``):
+
+    S(γ) = tokens(α, γ) · T(1) / T(γ + 1),
+
+where T(w) is the wall time of a decode step whose verify holds w tokens per row (w = γ + 1; T(1) is a
+plain step), drafting and bookkeeping included. T is a low quantile over a short window of measured
+steps per width, so one noisy step (a GC pause, another process on the core) cannot move it, and a
+lasting change moves it after a few steps; widths not measured lie on a robust line through those that
+are.
+Before a bucket has measured a plain and a speculative step, the policy falls back to Leviathan's
+formula with the prior ``cost_ratio``.
+
+Per sequence the policy keeps a smoothed α (accepted / (accepted + rejections), with a prior so a fresh
+sequence starts at a moderate γ). One γ serves a whole micro-batch: its verify is as wide as its longest
+chain, so every row pays for the widest, and what one row gains the batch pays for. The policy picks the
+γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
+batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
+reports what the policy actually picks. When even the best γ would not beat plain decoding (S < 1),
+γ = 0 turns speculation off for the batch, and probes (every row drafts one token, in the same step)
+check whether it pays again: after 2, 4, 8, … plain steps of the bucket (at most ``probe_every``). A
+probe that measured a clearly cheaper step than the model believed is repeated at once, so a cost that
+really came down is taken up within a few steps.
+
+To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
+(``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
+all of this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from verifier.goodput import batch_bucket
 
 
 def expected_speedup(alpha: float, gamma: int, c: float) -> float:
@@ -31,12 +59,127 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+class WidthCosts:
+    """Measured seconds of a step at one batch bucket, by width (tokens per row).
+
+    Per width, the lower quartile of the last ``window`` samples, trusted from ``min_samples`` on. Other
+    work on the machine only ever adds time to a step, so a low quantile estimates what the step costs the
+    engine itself: of 5 samples, up to 3 slow ones (a GC pause, a burst of another process) leave it
+    alone, while a lasting change moves it after 4 steps (up) or 2 (down). A width not run for
+    ``max_age`` samples is forgotten, so a cost measured in another spell does not linger at widths the
+    policy has stopped using; width 1, the plain step every S is measured against, is kept (the policy
+    re-measures it on a schedule, not by use). Widths not measured, or whose estimate is more than 2× off
+    the others', are read off a Theil–Sen line through the estimates (median of pairwise slopes, never
+    negative; robust to a minority of bad widths); with one measured width the cost is flat in the width
+    (Leviathan's assumption, until a second width is measured).
+    """
+
+    def __init__(self, window: int, min_samples: int, max_age: int):
+        self.window = window
+        self.min_samples = min_samples
+        self.max_age = max_age
+        self.count = 0  # samples added, all widths: the clock of ``max_age``
+        self.samples: dict[int, deque[tuple[int, float]]] = {}
+        self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
+
+    def add(self, width: int, seconds: float) -> None:
+        self.count += 1
+        self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds))
+        self._fit = None
+
+    def level(self, width: int) -> float | None:
+        """The lower quartile of the width's fresh samples (None below ``min_samples``)."""
+        fresh = sorted(x for n, x in self.samples.get(width, ()) if width == 1 or self.count - n < self.max_age)
+        return fresh[len(fresh) // 4] if len(fresh) >= self.min_samples else None
+
+    def levels(self) -> dict[int, float]:
+        return self.fit()[0]
+
+    def fit(self) -> tuple[dict[int, float], float, float]:
+        """The trusted levels by width, and the Theil–Sen line through them (slope, intercept)."""
+        if self._fit is None:
+            known = {w: m for w in sorted(self.samples) if (m := self.level(w)) is not None}
+            ws = list(known)
+            slopes = [(known[b] - known[a]) / (b - a) for i, a in enumerate(ws) for b in ws[i + 1:]]
+            slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+            intercept = statistics.median(known[w] - slope * w for w in ws) if ws else 0.0
+            self._fit = known, slope, intercept
+        return self._fit
+
+    def predict(self, width: int) -> float | None:
+        known, slope, intercept = self.fit()
+        if len(known) <= 1:
+            return next(iter(known.values()), None)
+        # Never below the cheapest measured step, nor below it scaled down in proportion to the width.
+        line = max(intercept + slope * width, min(known.values()) * min(1.0, width / next(iter(known))))
+        # A width's own level where it agrees with the others; one more than 2× off the line was measured
+        # in a bad spell (and is rarely re-measured once the policy avoids that width): the line instead.
+        measured = known.get(width)
+        return measured if measured is not None and line / 2 <= measured <= 2 * line else line
+
+
+@dataclass
+class BucketCosts:
+    """What the engine measured at one batch-size bucket, and the bucket's probe schedule."""
+
+    seconds: WidthCosts  # step wall time by verify width γ + 1 (1 = a plain step)
+    steps: int = 0  # decode steps observed
+    since_plain: int = 0  # decode steps since the last plain one
+    plain_run: int = 0  # consecutive plain steps (0: the last step speculated)
+    next_probe: int = 2  # plain_run (≥ 1) at which the bucket's batch probes
+    measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.plain_run >= self.next_probe
+
+    def step_seconds(self, gamma: int) -> float | None:
+        """Predicted seconds of one step with γ drafts (γ = 0: a plain step)."""
+        return self.seconds.predict(gamma + 1)
+
+
+@dataclass
+class CostModel:
+    """Measured step costs per batch-size bucket (``batch_bucket``: 1, 2, 4, 8, …)."""
+
+    window: int = 5  # samples per width (see WidthCosts)
+    min_samples: int = 3
+    max_age: int = 64  # samples after which a speculative width's old ones are dropped
+    buckets: dict[int, BucketCosts] = field(default_factory=dict)
+    # relative_cost per (bucket, γ) until the next sample: every step asks for every γ
+    _memo: dict[tuple[int, int], float | None] = field(default_factory=dict, repr=False)
+
+    def bucket(self, rows: int) -> BucketCosts:
+        key = batch_bucket(rows)
+        if key not in self.buckets:
+            self.buckets[key] = BucketCosts(WidthCosts(self.window, self.min_samples, self.max_age))
+        return self.buckets[key]
+
+    def record(self, rows: int, drafted: int, seconds: float) -> None:
+        """One decode step's wall time; ``drafted`` = 0 for a plain step."""
+        self.bucket(rows).seconds.add(drafted + 1, seconds)
+        self._memo.clear()
+
+    def relative_cost(self, rows: int, gamma: int) -> float | None:
+        """Seconds of a step with γ drafts over a plain step's, at the nearest bucket that measured both."""
+        key = (batch_bucket(rows), gamma)
+        if key not in self._memo:
+            self._memo[key] = self._relative_cost(*key)
+        return self._memo[key]
+
+    def _relative_cost(self, key: int, gamma: int) -> float | None:
+        for b in sorted(self.buckets, key=lambda b: (abs(b.bit_length() - key.bit_length()), b)):
+            widths = self.buckets[b].seconds.levels()
+            if 1 in widths and len(widths) > 1:  # a plain and a speculative step measured
+                return self.buckets[b].step_seconds(gamma) / self.buckets[b].step_seconds(0)
+        return None
+
+
 @dataclass
 class GammaState:
     accepted: float = 0.0
     rejections: float = 0.0
     prior: float = 1.0  # share of the prior's weight left; fades with the evidence (see ``observe``)
-    steps_off: int = 0
 
     def alpha(self, prior_alpha: float, prior_weight: float) -> float:
         weight = prior_weight * self.prior
@@ -53,25 +196,39 @@ class GammaPolicy:
     prior_alpha: float = 0.6
     prior_weight: float = 4.0
     decay: float = 0.9  # exponential forgetting so α follows the text (JSON keys vs values, say)
+    probe_first: int = 2  # steps off before the first probe; the interval doubles up to probe_every
     probe_every: int = 16
-    cost_ratio: float = 0.1  # c; the engine refreshes it from measured stage times
+    refresh_every: int = 64  # speculative steps of a bucket between two plain steps that re-measure T(1)
+    promising: float = 0.5  # a probe step this much cheaper than predicted is repeated at once
+    cost_ratio: float = 0.1  # prior c, used until the cost model has measured a bucket
+    costs: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self):
         if not 0 <= self.gamma_min <= self.gamma <= self.gamma_max:
             raise ValueError(f"need gamma_min <= gamma <= gamma_max, got {self.gamma_min}, {self.gamma}, "
                              f"{self.gamma_max}")
+        if not 1 <= self.probe_first <= self.probe_every:
+            raise ValueError(f"need 1 <= probe_first <= probe_every, got {self.probe_first}, {self.probe_every}")
 
-    def choose(self, state: GammaState) -> int:
+    def speedup(self, alphas: Sequence[float], gamma: int) -> float:
+        """Expected speed-up over plain decoding of γ drafts for a micro-batch of rows with these α."""
+        cost = self.costs.relative_cost(len(alphas), gamma) if gamma else 1.0
+        if cost is None:
+            return sum(expected_speedup(a, gamma, self.cost_ratio) for a in alphas) / len(alphas)
+        return sum(expected_tokens_per_step(a, gamma) for a in alphas) / len(alphas) / cost
+
+    def choose(self, states: Sequence[GammaState]) -> int:
+        """γ for the next step of a micro-batch whose sequences hold ``states`` (at least one)."""
         if not self.adaptive:
             return self.gamma
-        alpha = state.alpha(self.prior_alpha, self.prior_weight)
-        best = max(range(self.gamma_min, self.gamma_max + 1),
-                   key=lambda g: expected_speedup(alpha, g, self.cost_ratio))
-        if self.allow_off and expected_speedup(alpha, best, self.cost_ratio) < 1.0:
-            state.steps_off += 1
-            return 1 if state.steps_off % self.probe_every == 0 else 0
-        state.steps_off = 0
-        return best
+        bucket = self.costs.bucket(len(states))
+        if self.allow_off and bucket.measure_plain:
+            return 0
+        alphas = [st.alpha(self.prior_alpha, self.prior_weight) for st in states]
+        best = max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
+        if not self.allow_off or self.speedup(alphas, best) >= 1.0:
+            return best
+        return max(1, self.gamma_min) if bucket.probe_due else 0
 
     def observe(self, state: GammaState, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -82,3 +239,28 @@ class GammaPolicy:
         # 1 / (1 − decay) rejections the decayed counts can hold: with the defaults α could never fall
         # below ~0.17, so a draft that never agrees would keep γ ≥ 1 whenever c < 0.17.
         state.prior *= self.decay
+
+    def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
+        """Feed one decode step's wall time (not a step that prefilled a prompt: that is not what a decode
+        step costs). ``drafted``: the most draft tokens of any row (the verify width − 1)."""
+        bucket = self.costs.bucket(rows)
+        bucket.steps += 1
+        if drafted == 0:
+            bucket.since_plain = 0
+            bucket.plain_run += 1
+        else:
+            bucket.since_plain += 1
+            if bucket.probe_due:
+                predicted = bucket.step_seconds(drafted)
+                cheaper = predicted is not None and seconds < self.promising * predicted
+                bucket.next_probe = 1 if cheaper else min(2 * bucket.next_probe, self.probe_every)
+            else:
+                bucket.next_probe = self.probe_first
+            bucket.plain_run = 0
+        if seconds > 0:
+            self.costs.record(rows, drafted, seconds)
+        # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
+        # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``.
+        widths = bucket.seconds.levels()
+        bucket.measure_plain = any(w > 1 for w in widths) and (1 not in widths
+                                                               or bucket.since_plain >= self.refresh_every)

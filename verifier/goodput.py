@@ -4,9 +4,10 @@ The γ policy (``gamma.py``) predicts from a model (α, c); this controller *mea
 it is about to draft, the engine asks it whether to speculate (``choose`` returns a ``StepPlan``), and
 hands the plan back afterwards with how many tokens the step committed and how long it took
 (``observe``). Per batch-size bucket (the next power of two of the micro-batch's rows: goodput at batch 4
-says little about batch 64) it keeps exponentially weighted averages of tokens and seconds for
-speculative steps and for plain (γ = 0) steps; goodput is their ratio, committed tokens per second of
-step time.
+says little about batch 64) it keeps the last ``window`` recorded steps of each mode, speculative and
+plain (γ = 0); goodput is their committed tokens over their seconds, leaving out any step that took
+more than ``outlier`` times the window's median (a GC pause, another process on the core): one noisy
+step cannot switch speculation off, a lasting change moves every step and is taken up.
 
 - In the current mode it *probes* the other one: ``probe_steps`` consecutive steps every ``probe_every``
   steps (and as soon as possible when that mode has no measurement yet). The first step after any change
@@ -26,7 +27,9 @@ output never depends on whether (or how much) the proposer drafted.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,7 +40,8 @@ SPECULATE, PLAIN = "speculate", "plain"
 class GoodputConfig:
     probe_every: int = 16  # steps in the current mode between probes of the other one
     probe_steps: int = 2  # consecutive steps of a probe (the first after a change of mode is not recorded)
-    weight: float = 0.25  # EWMA weight of a new step
+    window: int = 8  # recorded steps per mode that goodput is measured over
+    outlier: float = 3.0  # a step slower than this × the window's median is left out
     hysteresis: float = 0.05  # relative margin a mode must win by before the controller switches
     min_samples: int = 2  # recorded steps per mode before any switch
     skip_after_switch: int = 1  # steps after a change of mode that are not recorded
@@ -45,29 +49,33 @@ class GoodputConfig:
     def __post_init__(self):
         if self.probe_every < 1 or self.probe_steps < 1:
             raise ValueError("probe_every and probe_steps must be >= 1")
-        if not 0.0 < self.weight <= 1.0:
-            raise ValueError(f"weight must be in (0, 1], got {self.weight}")
+        if self.window < 1 or self.outlier <= 1.0:
+            raise ValueError(f"need window >= 1 and outlier > 1, got {self.window}, {self.outlier}")
         if self.hysteresis < 0 or self.min_samples < 1 or self.skip_after_switch < 0:
             raise ValueError("need hysteresis >= 0, min_samples >= 1, skip_after_switch >= 0")
 
 
-@dataclass
 class ModeStats:
-    """EWMA of committed tokens and of seconds per step in one mode; goodput = tokens / seconds."""
+    """The last ``window`` recorded steps of one mode; goodput = their tokens / their seconds, without
+    the steps slower than ``outlier`` × the median step."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
-    samples: int = 0
+    def __init__(self, window: int, outlier: float):
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self.outlier = outlier
+        self.samples = 0  # steps ever recorded
 
-    def add(self, tokens: int, seconds: float, weight: float) -> None:
-        w = 1.0 if self.samples == 0 else weight
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
         self.samples += 1
 
     @property
     def goodput(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        if not self.steps:
+            return 0.0
+        limit = self.outlier * statistics.median(s for _, s in self.steps)
+        kept = [(t, s) for t, s in self.steps if s <= limit]
+        seconds = sum(s for _, s in kept)
+        return sum(t for t, _ in kept) / seconds if seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ class BucketState:
     last: str | None = None  # the mode of the previous step handed out
     warm_left: int = 0  # coming steps not to record (just after a change of mode)
     switches: int = 0
-    stats: dict = field(default_factory=lambda: {SPECULATE: ModeStats(), PLAIN: ModeStats()})
+    stats: dict = field(default_factory=dict)  # mode → ModeStats (``GoodputController.state`` fills it)
 
 
 def batch_bucket(rows: int) -> int:
@@ -103,7 +111,11 @@ class GoodputController:
         self.scheduled = {SPECULATE: 0, PLAIN: 0}  # steps handed out per mode, all buckets
 
     def state(self, rows: int) -> BucketState:
-        return self.buckets.setdefault(batch_bucket(rows), BucketState())
+        key = batch_bucket(rows)
+        if key not in self.buckets:
+            cfg = self.config
+            self.buckets[key] = BucketState(stats={m: ModeStats(cfg.window, cfg.outlier) for m in (SPECULATE, PLAIN)})
+        return self.buckets[key]
 
     def mode(self, rows: int) -> str:
         """The mode the controller is in for this batch size (``speculate`` or ``plain``)."""
@@ -146,7 +158,7 @@ class GoodputController:
         st = self.state(plan.rows)
         cfg = self.config
         spec_ran = plan.speculate if speculative is None else speculative
-        st.stats[SPECULATE if spec_ran else PLAIN].add(tokens, seconds, cfg.weight)
+        st.stats[SPECULATE if spec_ran else PLAIN].add(tokens, seconds)
         spec, plain = st.stats[SPECULATE], st.stats[PLAIN]
         if min(spec.samples, plain.samples) < cfg.min_samples:
             return

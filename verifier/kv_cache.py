@@ -6,7 +6,7 @@ reallocated, so a fixed-shape step can be captured once and replayed. Rollback i
 valid length is bookkeeping held by its owner (``runner.SequenceState.cached``); positions past it hold
 stale values that the causal mask never lets a query read before they are overwritten.
 
-This is the seeds' memory pool, minus the free list of tensors: the slots are the pool.
+Where a serving stack would keep a pool of reusable tensors, the slots are the pool.
 """
 
 from __future__ import annotations

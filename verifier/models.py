@@ -1,23 +1,22 @@
-"""Loading target and draft models from local Hugging Face folders, and building tiny ones from config.
+"""Loading target and draft models from local Hugging Face folders or GGUF files, and building tiny ones.
 
 Only Llama-family decoders are accepted (the compact forward in ``forward.py`` implements exactly their
-block: RMSNorm → GQA attention with RoPE → RMSNorm → gated MLP). Anything else is refused at load time
-rather than producing wrong tokens later. Nothing here downloads: paths must be local folders.
+block: RMSNorm → GQA attention with RoPE → RMSNorm → gated MLP). Anything else is refused before loading
+(``cluster.model_files.inspect_model``, the same check config validation runs) rather than producing wrong
+tokens later. Nothing here downloads: paths must be local. A GGUF file is read by transformers' GGUF loader
+(needs the ``gguf`` and ``accelerate`` packages), its weights dequantised to the serving dtype.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import torch
 
+from cluster.builtin_models import TINY_DRAFT_NOISE, TINY_TARGET
+from cluster.model_files import ModelFileError, ModelFiles, check_draft_matches, inspect_model
 from verifier.cpu_linear import pack_linears
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-
-class ModelLoadError(ValueError):
-    pass
+# One error for every model-path problem, whether config validation or loading finds it.
+ModelLoadError = ModelFileError
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
@@ -38,58 +37,48 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def read_model_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ModelLoadError(f"{path!r} is not a local Hugging Face model folder (no config.json); "
-                             "specserve never downloads weights")
-    with open(cfg_path) as f:
-        return json.load(f)
-
-
-def check_supported(model_type: str, path: str) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{path}: model_type {model_type!r} is not supported; specserve serves Llama-family decoders "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})")
-
-
 def load_causal_lm(path: str, dtype: str | torch.dtype = "auto", device: str | None = "auto"):
-    """Load a local HF causal LM in eval mode on ``device``; refuse unsupported families up front."""
+    """Load a local HF folder or GGUF causal LM in eval mode on ``device``; refuse unsupported families up front."""
     from transformers import AutoModelForCausalLM
 
-    cfg = read_model_config(path)
-    check_supported(cfg.get("model_type", "?"), path)
+    files = inspect_model(path, path).files
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(files.folder, dtype=resolve_dtype(dtype, dev), local_files_only=True,
+                                                 **_gguf_kwargs(files, dequantize=True))
     return model.to(dev).eval()
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    files = inspect_model(path, path).files
+    return AutoTokenizer.from_pretrained(files.folder, local_files_only=True, **_gguf_kwargs(files))
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether ``load_tokenizer(path)`` has files to load (builtin models have none)."""
+    return not path.startswith("builtin:") and inspect_model(path, path).has_tokenizer
+
+
+def _gguf_kwargs(files: ModelFiles, dequantize: bool = False) -> dict:
+    if files.gguf_file is None:
+        return {}
+    kwargs = {"gguf_file": files.gguf_file}
+    if dequantize:
+        # The compact forward and the CPU kernels read plain float weights: where transformers can keep GGUF
+        # blocks packed (some architectures, with the `kernels` package), ask it to unpack them.
+        try:
+            from transformers import GgufConfig
+        except ImportError:  # a transformers from before packed GGUF loading always unpacks
+            return kwargs
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    return kwargs
 
 
 def check_vocab_compatible(target_path: str, draft_path: str) -> None:
     """The draft's ids must mean the same tokens as the target's, or its proposals are noise."""
-    t, d = read_model_config(target_path), read_model_config(draft_path)
-    if t.get("vocab_size") != d.get("vocab_size"):
-        raise ModelLoadError(
-            f"draft vocab_size {d.get('vocab_size')} != target vocab_size {t.get('vocab_size')}: "
-            "draft and target must share one tokenizer")
-    tt, dt = _tokenizer_vocab(target_path), _tokenizer_vocab(draft_path)
-    if tt is not None and dt is not None and tt != dt:
-        differing = sum(1 for k, v in tt.items() if dt.get(k) != v)
-        raise ModelLoadError(f"draft and target tokenizers differ ({differing} tokens map to other ids)")
-
-
-def _tokenizer_vocab(path: str) -> dict | None:
-    tok = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok):
-        return None
-    with open(tok) as f:
-        return json.load(f).get("model", {}).get("vocab")
+    check_draft_matches(inspect_model(target_path, target_path), inspect_model(draft_path, draft_path),
+                        where=draft_path)
 
 
 def tiny_llama(seed: int, *, vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
@@ -154,11 +143,6 @@ def build_model(spec, device: str | None = "auto", dtype: str = "auto", *, cpu_k
 
 
 BUILTIN_TINY = "builtin:tiny"
-# A tiny pair built from config (no files): the target, and a draft that is a slightly noisy copy of it,
-# so acceptance sits in between. For tests and smoke runs; it has no tokenizer (token ids only).
-TINY_TARGET = {"seed": 0, "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
-               "num_kv_heads": 2, "intermediate_size": 128, "max_position_embeddings": 2048}
-TINY_DRAFT_NOISE = 0.05
 
 
 def resolve_spec(path: str, role: str, dtype: str = "auto"):
@@ -173,4 +157,7 @@ def spec_vocab_size(spec) -> int:
     if isinstance(spec, dict) and "tiny" in spec:
         return spec["tiny"].get("vocab_size", 96)
     path = spec if isinstance(spec, str) else spec["path"]
-    return int(read_model_config(path)["vocab_size"])
+    vocab = inspect_model(path, path).vocab_size
+    if vocab is None:
+        raise ModelLoadError(f"{path}: its config gives no vocab_size")
+    return vocab

@@ -10,7 +10,7 @@ accepted, emit the *bonus* token ~ p_γ. The emitted tokens are then distributed
 sampled autoregressively. Greedy rows use one-hot p and q, so the rule is "accept while d_i equals the
 target argmax" and the recovered/bonus token is the argmax — token-identical to greedy decoding.
 
-Threshold mode (``threshold_accept``) is the seeds' lossy rule: accept d_i when p_i(d_i) ≥ threshold.
+Threshold mode (``threshold_accept``) is a lossy rule: accept d_i when p_i(d_i) ≥ threshold.
 It changes the output distribution and exists only behind an explicit config opt-in.
 
 Categorical draws use the exponential-race trick: argmax_v(w_v / E_v) with E_v ~ Exp(1) samples v with
@@ -110,7 +110,7 @@ def threshold_accept(
 
 
 def adjust_threshold(threshold: float, acceptance_rate: float, target_rate: float = 0.7) -> float:
-    """The seeds' dynamic threshold: stricter (×1.05) above target+0.1, looser (×0.95) below target−0.1."""
+    """The dynamic threshold rule: stricter (×1.05) above target+0.1, looser (×0.95) below target−0.1."""
     if acceptance_rate > target_rate + 0.1:
         return min(1.0, threshold * 1.05)
     if acceptance_rate < target_rate - 0.1:

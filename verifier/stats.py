@@ -1,4 +1,4 @@
-"""Speculation statistics, named as in DESIGN.md §2.
+"""Speculation statistics, named as in the glossary of docs/design.md.
 
 acceptance rate = accepted / proposed; acceptance length = emitted tokens per verify step (≥ 1);
 α = accepted / (accepted + steps that ended in a rejection); per-position acceptance = P(position i

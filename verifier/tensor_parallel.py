@@ -34,8 +34,9 @@ from typing import Any, Sequence
 
 import torch
 
+from cluster.model_files import inspect_model
 from verifier import forward as fwd
-from verifier.models import build_model, check_supported, read_model_config, resolve_device, resolve_dtype
+from verifier.models import build_model, resolve_device, resolve_dtype
 from verifier.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
@@ -269,7 +270,7 @@ def load_target(spec, *, tp_size: int, device: torch.device, dtype: torch.dtype,
             raise TensorParallelError(f"meta loading needs a local folder of safetensors files, got {spec}")
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        check_supported(read_model_config(folder).get("model_type", "?"), folder)
+        inspect_model(folder, folder)  # refuses unsupported families before anything is built
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         check_tp_divides(config, tp_size)
         with torch.device("meta"):

@@ -1,4 +1,6 @@
-"""Greedy fidelity on a GPU (DESIGN.md §5): speculative decoding == plain decoding of the same engine.
+"""Greedy fidelity on a GPU: speculative decoding == plain decoding of the same engine.
+
+Why plain decoding is the reference in bf16: docs/design.md#fidelity-and-test-models.
 
 A small synthetic pair (scripts/build_synthetic_pair.py: the target extends the draft, ε calibrated to a
 greedy agreement of ~0.6 so that both the accept and the reject paths run) is built on the device.

@@ -1,8 +1,13 @@
 """One local Ray cluster per pytest session; apps are (re)deployed per test module.
 
-A cluster start costs 5-10 s here, so it is shared. Token auth is off (a throwaway single-user cluster on
-loopback, see README Security), the dashboard is off (it costs ~1 GiB), and the logical CPU count is
-raised so that several fractional-CPU replicas fit on this 2-core box.
+A cluster start costs 5-10 s here, so it is shared. It is started as ``specserve serve`` starts its own
+(``deployments.loopback.init_local_ray``): every socket on loopback, which the fixture checks. Token auth
+is off — a throwaway cluster that nothing beyond this machine can reach (README, Security). The
+dashboard is off (it costs ~1 GiB), and the logical CPU count is raised so that several fractional-CPU
+replicas fit on this 2-core box.
+
+test_sockets.py runs first: its own launch then finds Ray's fixed dashboard-agent port free, which the
+session cluster would otherwise hold.
 """
 
 from __future__ import annotations
@@ -14,16 +19,22 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # deployments.loopback.LOCAL_ONLY_ENV, before ray is imported
 
 ray = pytest.importorskip("ray")
+
+from deployments.loopback import init_local_ray  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name != "test_sockets.py")  # stable: the others keep their order
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     if not ray.is_initialized():
-        # address="local": always a fresh cluster, never one a `ray start` left behind on this machine.
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     from ray import serve
 

@@ -1,16 +1,27 @@
-"""Secure defaults of a launch: ``specserve serve`` with a config that sets nothing about the network
-(only the models; the port is picked free so the test can run beside other servers) binds its HTTP
-server to 127.0.0.1 only and starts no dashboard.
+"""Secure defaults of a launch: ``specserve serve`` with a config that sets nothing about the network or
+Ray (only the models, and an API key in an environment variable; the port is picked free so the test
+can run beside other servers), in an environment with no ``RAY_*`` settings and a fresh state directory.
+
+- Every listening socket of the server's process tree (GCS, raylet, workers, replicas, agents, metrics,
+  the HTTP proxy) is on loopback; no dashboard, no Serve gRPC proxy.
+- Ray's token auth is on: the token file is generated 0600 in ``$XDG_STATE_HOME/specserve``. A job
+  submitted to any listener without the token (the dashboard agent's job API among them) is refused and
+  never runs; a driver attaching to GCS without the token, or with a wrong one, is refused, while the
+  same attach with the token succeeds (so the refusals are the token's doing).
+- The HTTP API key is in the environment of no Ray process, and the API requires it.
 
 The launch runs in a subprocess with its own Ray cluster (the point is the launcher's own choices, not
-the test session's); the listening sockets of that process tree are read with psutil.
+the test session's); the sockets and environments of that process tree are read with psutil.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -25,7 +36,11 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PORT = 8265
 SERVE_GRPC_PORT = 9000  # Serve's default gRPC proxy port: off unless gRPC servicers are configured
-WILDCARD = ("0.0.0.0", "::", "")
+AGENT_PORT = 52365  # the dashboard agent's HTTP server (its job API runs even without the dashboard)
+KEY_ENV = "SPECSERVE_TEST_API_KEY"
+# The launch's only Ray-related setting from outside: Ray's usage report off (no traffic off this machine).
+CLEAN_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+ATTACH = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('ATTACHED', flush=True)"
 
 
 def _free_port() -> int:
@@ -34,29 +49,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tree(pid: int) -> dict[int, str]:
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1, a dual-stack socket bound to 127.0.0.1
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _tree(pid: int) -> dict[int, psutil.Process]:
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return {p.pid: p for p in (root, *root.children(recursive=True))}
     except psutil.NoSuchProcess:
         return {}
-    out = {}
-    for p in procs:
-        try:
-            out[p.pid] = " ".join(p.cmdline())[:100] or p.name()
-        except psutil.Error:
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:90] or p.name()
+    except psutil.Error:
+        return "?"
+
+
+def _sockets(pids) -> list:
+    """Listening TCP sockets and bound UDP sockets of ``pids``."""
+    out = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.pid not in pids or not c.laddr:
             continue
+        if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr):
+            out.append(c)
     return out
 
 
-def _listeners(pids) -> list:
-    return [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+def _log_dir(procs: dict[int, psutil.Process]) -> Path:
+    for p in procs.values():
+        for arg in p.cmdline() if "gcs_server" in _name(p) else ():
+            if arg.startswith("--log_dir="):
+                return Path(arg.split("=", 1)[1])
+    raise AssertionError("no GCS process with --log_dir")
 
 
-def _start(config: Path, log: Path) -> tuple[subprocess.Popen, int]:
+def _clean_env(state: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(CLEAN_RAY_ENV)
+    env.update({"XDG_STATE_HOME": str(state), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    return env
+
+
+def _start(config: Path, log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update({"PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"})
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -78,12 +119,16 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("launch")
+    state = folder / "state"
     config = folder / "minimal.yaml"
-    # Only the model is set (no draft keeps the launch to three replicas): every network setting is default.
-    config.write_text("target:\n  path: builtin:tiny\n  max_model_len: 128\ndraft:\n  kind: none\n")
+    # Only the model and the key's variable are set (no draft keeps the launch to three replicas).
+    config.write_text("target:\n  path: builtin:tiny\n  max_model_len: 128\ndraft:\n  kind: none\n"
+                      f"http:\n  api_key_env: {KEY_ENV}\n")
+    key = "sk-" + secrets.token_hex(16)
+    env = {**_clean_env(state), KEY_ENV: key}
     for attempt in (1, 2):
         log = folder / f"serve-{attempt}.log"
-        proc, port = _start(config, log)
+        proc, port = _start(config, log, env)
         try:
             deadline = time.monotonic() + 300
             while proc.poll() is None and time.monotonic() < deadline:
@@ -99,36 +144,121 @@ def launch(tmp_path_factory):
                 if attempt == 1 and "timed out during startup" in text:
                     continue
                 pytest.fail(f"specserve serve not healthy (exit {proc.returncode}):\n{text[-3000:]}")
-            yield proc, port
+            yield {"proc": proc, "port": port, "key": key, "state": state, "folder": folder}
             return
         finally:
             _stop(proc)
 
 
-def test_default_launch_binds_loopback_only(launch):
-    proc, port = launch
+def test_every_socket_listens_on_loopback_only(launch):
+    proc, port = launch["proc"], launch["port"]
     procs = _tree(proc.pid)
-    listeners = _listeners(procs)
-    http = [c for c in listeners if c.laddr.port == port]
-    assert http, f"nothing of the launch listens on the HTTP port {port}: {listeners}"
-    assert {c.laddr.ip for c in http} == {"127.0.0.1"}, http
-    # No other address on the machine answers on the HTTP port either.
-    everywhere = [c for c in psutil.net_connections(kind="inet")
-                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-    assert {c.laddr.ip for c in everywhere} == {"127.0.0.1"}, everywhere
+    sockets = _sockets(procs)
+    table = sorted((c.laddr.ip, c.laddr.port, _name(procs[c.pid])) for c in sockets)
+    print("\n".join(f"{ip:>18} {p:>5}  {name}" for ip, p, name in table))  # the record (run with -s)
+    exposed = [row for row in table if not _is_loopback(row[0])]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    # Ray itself, not only the launcher's own HTTP server: GCS, raylet, agents, replicas (Ray's own names).
+    names = " ".join(name for _, _, name in table)
+    for part in ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "ServeReplica", "ProxyActor"):
+        assert part in names, (part, table)
 
-    ports = {c.laddr.port for c in listeners}
+    http = [c for c in sockets if c.laddr.port == port]
+    assert {c.laddr.ip for c in http} == {"127.0.0.1"}, http
+    ports = {c.laddr.port for c in sockets}
     assert DASHBOARD_PORT not in ports, "the Ray dashboard listens"
     assert SERVE_GRPC_PORT not in ports, "Serve's gRPC proxy listens"
-    # Nothing serving the project's HTTP API (the proxy) listens on a wildcard address.
-    proxies = {pid for pid, cmd in procs.items() if "ProxyActor" in cmd}
-    assert proxies, procs
-    assert not [c for c in listeners if c.pid in proxies and c.laddr.ip in WILDCARD and c.laddr.port == port]
 
-    r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+
+def test_token_file_is_private(launch):
+    token = launch["state"] / "specserve" / "ray_token"
+    mode = token.stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600, oct(mode)
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert len(token.read_text()) == 64
+
+
+def test_job_submission_without_the_token_is_refused(launch):
+    procs = _tree(launch["proc"].pid)
+    marker = launch["folder"] / "job-ran"
+    job = {"entrypoint": f"touch {marker}", "submission_id": "unauthenticated-probe"}
+    answers = {}
+    for c in _sockets(procs):
+        if c.type != socket.SOCK_STREAM:
+            continue
+        try:
+            r = httpx.post(f"http://127.0.0.1:{c.laddr.port}/api/job_agent/jobs/", json=job, timeout=5)
+            answers[c.laddr.port] = (r.status_code, _name(procs[c.pid]))
+        except httpx.HTTPError:  # gRPC servers: not HTTP/1.1
+            continue
+    assert not [a for a in answers.values() if 200 <= a[0] < 300], answers
+    time.sleep(1.0)
+    assert not marker.exists(), "an unauthenticated job ran"
+    if AGENT_PORT not in answers:
+        # Ray's agent port is fixed: while another Ray cluster on this machine holds it, this launch's agent
+        # runs without its HTTP server (conftest runs this module before the session's cluster starts).
+        log = _log_dir(procs) / "dashboard_agent.log"
+        in_use = f"Failed to bind to port {AGENT_PORT}" in log.read_text(errors="replace")
+        assert in_use, f"the dashboard agent's HTTP server is missing, and not for its port (see {log}): {answers}"
+        pytest.skip(f"port {AGENT_PORT} was held by another Ray cluster: this launch's dashboard agent serves "
+                    "no job API to try")
+    code, name = answers[AGENT_PORT]
+    assert code == 401 and "DashboardAgent" in name, answers
+    # With the token the same server serves the job API: the 401 was the token's doing.
+    token = (launch["state"] / "specserve" / "ray_token").read_text()
+    r = httpx.get(f"http://127.0.0.1:{AGENT_PORT}/api/job_agent/jobs/unknown-job/logs",
+                  headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert r.status_code not in (401, 403), r.text
+
+
+def test_gcs_attach_needs_the_token(launch):
+    procs = _tree(launch["proc"].pid)
+    gcs = [c.laddr.port for c in _sockets(procs) if "gcs_server" in _name(procs[c.pid])]
+    assert gcs, "no GCS listener found"
+    token_path = str(launch["state"] / "specserve" / "ray_token")
+    # The local-only variable, as a client of this cluster needs (deployments/loopback.py); few GCS retries
+    # so that a refused client gives up in seconds.
+    base = {**_clean_env(launch["state"] / "client"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_NUM_REDIS_GET_RETRIES": "3", "HOME": str(launch["folder"])}  # no ~/.ray/auth_token
+    clients = {
+        "no auth": {"RAY_AUTH_MODE": "disabled"},
+        "wrong token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+        "token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path},
+    }
+    running = {name: subprocess.Popen([sys.executable, "-c", ATTACH, f"127.0.0.1:{gcs[0]}"], env={**base, **extra},
+                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, extra in clients.items()}
+    results = {}
+    for name, p in running.items():
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results[name] = (p.returncode, out, err)
+    assert "ATTACHED" in results["token"][1], results["token"][2][-2000:]
+    for name in ("no auth", "wrong token"):
+        code, out, err = results[name]
+        assert "ATTACHED" not in out and code != 0, (name, out, err[-2000:])
+        assert "token" in err.lower(), (name, err[-2000:])  # refused for the token, not for another reason
+
+
+def test_api_key_reaches_only_the_ingress(launch):
+    key, port = launch["key"], launch["port"]
+    procs = _tree(launch["proc"].pid)
+    holders = []
+    for pid, p in procs.items():
+        if pid == launch["proc"].pid:
+            continue  # the launcher was started with the key in its environment, by the user
+        try:
+            env = p.environ()
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if key in cmdline or any(key in v for v in env.values()) or KEY_ENV in env:
+            holders.append(_name(p))
+    assert not holders, f"the API key is in the environment of: {holders}"
+    base = f"http://127.0.0.1:{port}/v1/models"
+    assert httpx.get(base, timeout=30).status_code == 401
+    r = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 200 and r.json()["data"][0]["id"]
-    # Ray's own internal ports (GCS, raylet, workers' gRPC) are Ray's choice, not the launcher's: listed
-    # for the record (run with -s to see them).
-    ray_wildcard = sorted((c.laddr.ip, c.laddr.port, procs.get(c.pid, "?")[:80]) for c in listeners
-                          if c.laddr.ip in WILDCARD)
-    print(f"Ray-internal listeners on wildcard addresses: {ray_wildcard}")

@@ -1,8 +1,9 @@
 """Helpers shared by the engine tests: ragged prompts, the greedy reference, engine factory, χ².
 
-Every model is built from config with a fixed seed (DESIGN.md §8): no hub, no downloads. Drafts are the
-target itself (always agrees), an independently initialised model (``tiny_llama(7)``: agrees only by
-coincidence) and a noisy copy of the target (acceptance in between; see ``NOISE``).
+Every model is built from config with a fixed seed (docs/design.md#fidelity-and-test-models): no hub, no
+downloads. Drafts are the target itself (always agrees), an independently initialised model
+(``tiny_llama(7)``: agrees only by coincidence) and a noisy copy of the target (acceptance in between;
+see ``NOISE``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def make_prompts(seed: int, n: int = NUM_PROMPTS, vocab: int = VOCAB, lo: int = 
 
 
 def hf_greedy(model, prompt, max_new: int, eos: int | None = None) -> tuple[int, ...]:
-    """The fidelity reference (DESIGN.md §5): HF generate, greedy, one prompt, no padding, fp32 CPU."""
+    """The greedy reference (docs/design.md#fidelity-and-test-models): HF generate, one prompt, no padding, fp32."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=eos, pad_token_id=2)
     generated = tuple(out[0, len(prompt):].tolist())

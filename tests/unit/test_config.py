@@ -1,4 +1,4 @@
-"""cluster.config: examples load, the seeds' shape maps, and every mistake names its key."""
+"""cluster.config: examples load, the speculative_decoding layout maps, and every mistake names its key."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def with_(base: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
 
 def write_model(folder: Path, tokenizer_vocab: dict[str, int] | None = None, **config: Any) -> str:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
     if tokenizer_vocab is not None:
         added = [{"id": 0, "content": "<s>"}]
         tokenizer = {"model": {"type": "BPE", "vocab": tokenizer_vocab}, "added_tokens": added}
@@ -31,14 +31,14 @@ def write_model(folder: Path, tokenizer_vocab: dict[str, int] | None = None, **c
     return str(folder)
 
 
-# ---- examples and the seeds' shape -------------------------------------------------------------
+# ---- examples and the speculative_decoding layout ----------------------------------------------
 
 
 def test_local_example_loads() -> None:
     cfg = ClusterConfig.from_yaml(EXAMPLES / "local.yaml")
     assert cfg.target.path == BUILTIN_TINY and cfg.target.device == "cpu"
     assert cfg.draft.kind == "model" and cfg.speculation.acceptance == "exact"
-    assert cfg.ray.auth_mode == "disabled" and not cfg.ray.include_dashboard
+    assert cfg.ray.auth_mode == "token" and not cfg.ray.include_dashboard
 
 
 def test_h200_example_fits_its_budget() -> None:
@@ -175,6 +175,8 @@ def test_yaml_that_is_not_a_mapping_refused(tmp_path: Path) -> None:
         ({"http": {"port": 70000}}, "http.port"),
         ({"http": {"api_key": "k", "api_key_env": "K"}}, "http.api_key"),
         ({"ray": {"auth_mode": "password"}}, "ray.auth_mode"),
+        ({"ray": {"auth_mode": "disabled", "address": "10.0.0.5:6379"}}, "ray.auth_mode"),
+        ({"http": {"api_key_env": "K", "api_key_file": "/k"}}, "http.api_key_env"),
         ({"defaults": {"top_p": 0}}, "defaults.top_p"),
     ],
 )

@@ -4,6 +4,8 @@
   greedy speculative decoding on a packed pair stays token-identical to HF greedy on the stock target.
 - ``pack_linears`` swaps exactly the plain float32 CPU ``nn.Linear`` layers, once: a second call, a
   subclass (DeepSpeed's sharded layers) and a bfloat16 model are left alone; tied weights stay tied.
+- One copy: a packed layer drops its stock weight (only a tied one keeps the shared matrix), yet
+  ``weight`` and ``state_dict`` still give the stock values and keys.
 - A packed module deep-copies and pickles (the oneDNN tensor is rebuilt, not copied), and
   ``build_model`` packs by default while ``cpu_kernels=False`` (the tensor-parallel path) does not.
 
@@ -90,6 +92,20 @@ def test_tied_weights_stay_tied():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     pack_linears(model)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_packing_keeps_one_copy_and_the_stock_state_dict():
+    model = tiny_llama(2)
+    stock = {k: v.clone() for k, v in model.state_dict().items()}
+    dense_before = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
+    pack_linears(model)
+    assert sum(p.numel() for p in model.parameters()) == dense_before - linear  # only the packed copies remain
+    assert all("weight" not in m._parameters for m in model.modules() if isinstance(m, PackedLinear))
+    packed = model.state_dict()
+    assert packed.keys() == stock.keys() and all(torch.equal(packed[k], stock[k]) for k in stock)
+    q = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(q.weight, stock["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_packed_model_deepcopies_and_pickles():

@@ -1,4 +1,4 @@
-"""Greedy fidelity (DESIGN.md §5): speculative output is token-identical to HF ``generate``.
+"""Greedy fidelity: speculative output is token-identical to HF ``generate`` (docs/design.md#fidelity-and-test-models).
 
 The reference is the target alone, greedy, one prompt at a time, no padding, fp32 on CPU. The engine runs
 16 ragged prompts (lengths 1..40) as one batch for every γ, with drafts that always agree (the target
@@ -231,4 +231,4 @@ def test_threshold_mode_is_lossy_when_sampling(target, other_draft, prompts):
     lossy, _ = rate(AcceptanceConfig(mode="threshold", threshold=1e-4))
     assert lossy > exact + 0.3
     _, verifier = rate(AcceptanceConfig(mode="threshold", threshold=0.5, dynamic_adjust=True, target_rate=0.7))
-    assert verifier.threshold < 0.5  # acceptance far below target → the seeds' rule loosens the threshold
+    assert verifier.threshold < 0.5  # acceptance far below target → the dynamic rule loosens it

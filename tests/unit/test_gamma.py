@@ -1,11 +1,22 @@
-"""The γ policy: Leviathan et al.'s speed-up model and the adaptive choice built on it."""
+"""The γ policy: Leviathan et al.'s speed-up model, the measured cost model, and the adaptive choice.
+
+The cost model is fed synthetic step times (``drive``), so every decision here is deterministic: a
+single noisy step must not switch speculation off, a lasting cost must, and probing must find out when
+speculation pays again.
+"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from verifier.gamma import GammaPolicy, GammaState, expected_speedup, expected_tokens_per_step
+from draftpool.draft_model import DraftModelProposer
+from verifier.engine import Engine, LocalStages, Request
+from verifier.gamma import GammaPolicy, GammaState, WidthCosts, expected_speedup, expected_tokens_per_step
+from verifier.runner import ModelRunner
 from verifier.stats import SpecStats
+from verifier.verify import VerifyStage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +47,7 @@ def _state_with_alpha(alpha: float, weight: float = 1000.0) -> GammaState:
 
 def test_fixed_policy_returns_gamma():
     policy = GammaPolicy(gamma=5)
-    assert [policy.choose(_state_with_alpha(a)) for a in (0.0, 0.5, 1.0)] == [5, 5, 5]
+    assert [policy.choose([_state_with_alpha(a)]) for a in (0.0, 0.5, 1.0)] == [5, 5, 5]
 
 
 def test_adaptive_picks_the_argmax_of_the_speedup():
@@ -45,21 +56,43 @@ def test_adaptive_picks_the_argmax_of_the_speedup():
         state = _state_with_alpha(alpha)
         a = state.alpha(policy.prior_alpha, policy.prior_weight)
         best = max(range(1, 9), key=lambda g: leviathan(a, g, 0.05))
-        assert policy.choose(state) == best
+        assert policy.choose([state]) == best
 
 
 def test_adaptive_prefers_longer_chains_for_higher_alpha():
     for c in (0.02, 0.1, 0.2):
         policy = GammaPolicy(adaptive=True, gamma_min=1, gamma_max=12, cost_ratio=c, allow_off=False)
-        chosen = [policy.choose(_state_with_alpha(a)) for a in (0.3, 0.5, 0.7, 0.85, 0.95)]
+        chosen = [policy.choose([_state_with_alpha(a)]) for a in (0.3, 0.5, 0.7, 0.85, 0.95)]
         assert chosen == sorted(chosen), f"c = {c}: {chosen}"
         assert chosen[-1] > chosen[0]
 
 
 def test_adaptive_prefers_shorter_chains_for_costlier_drafts():
     state = _state_with_alpha(0.8)
-    chosen = [GammaPolicy(adaptive=True, cost_ratio=c, allow_off=False).choose(state) for c in (0.01, 0.1, 0.4)]
+    chosen = [GammaPolicy(adaptive=True, cost_ratio=c, allow_off=False).choose([state]) for c in (0.01, 0.1, 0.4)]
     assert chosen == sorted(chosen, reverse=True) and chosen[0] > chosen[-1]
+
+
+def drive(policy: GammaPolicy, steps: int, *, rows: int = 1, accept=None, cost=None,
+          states: list[GammaState] | None = None) -> list[int]:
+    """Run ``steps`` engine steps of a micro-batch of ``rows`` sequences through the policy.
+
+    ``accept(i, γ) -> accepted`` (default: none; the states keep whatever α they hold, nothing observed;
+    a list: one function per row); ``cost(i, drafted) -> (draft_seconds, verify_seconds)`` (default: draft
+    0.1 per position, verify 1); the policy is fed their sum, the step's wall time. Returns γ per step.
+    """
+    states = states if states is not None else [GammaState() for _ in range(rows)]
+    cost = cost or (lambda i, drafted: (0.1 * drafted, 1.0))
+    accepts = accept if isinstance(accept, list) else [accept] * len(states)
+    chosen = []
+    for i in range(steps):
+        gamma = policy.choose(states)
+        for st, acc in zip(states, accepts):
+            if acc is not None:
+                policy.observe(st, gamma, acc(i, gamma))
+        policy.observe_step(len(states), gamma, sum(cost(i, gamma)))
+        chosen.append(gamma)
+    return chosen
 
 
 def test_speculation_turns_off_when_it_cannot_pay_and_probes():
@@ -67,20 +100,21 @@ def test_speculation_turns_off_when_it_cannot_pay_and_probes():
     state = _state_with_alpha(0.1)
     a = state.alpha(policy.prior_alpha, policy.prior_weight)
     assert max(leviathan(a, g, 0.5) for g in range(1, 9)) < 1  # S < 1 for every γ
-    chosen = [policy.choose(state) for _ in range(12)]
-    assert chosen == [0, 0, 0, 1] * 3  # off, with a one-token probe every probe_every steps
+    chosen = drive(policy, 22, states=[state], cost=lambda i, d: (0.5 * d, 1.0))
+    # off; the first probe after probe_first = 2 plain steps, then the interval doubles up to probe_every
+    assert chosen == [0, 0, 1] + [0, 0, 0, 0, 1] * 3 + [0, 0, 0, 0]
     # when α recovers, speculation comes back at once
     state.accepted, state.rejections = 900.0, 100.0
-    assert policy.choose(state) > 1 and state.steps_off == 0
+    assert policy.choose([state]) > 1
     # allow_off=False keeps drafting at γ_min
-    assert GammaPolicy(adaptive=True, cost_ratio=0.5, allow_off=False).choose(_state_with_alpha(0.1)) == 1
+    assert GammaPolicy(adaptive=True, cost_ratio=0.5, allow_off=False).choose([_state_with_alpha(0.1)]) == 1
 
 
 def test_fresh_sequence_uses_the_prior():
     policy = GammaPolicy(adaptive=True, cost_ratio=0.1)
     assert GammaState().alpha(0.6, 4.0) == pytest.approx(0.6)
     best = max(range(1, 9), key=lambda g: leviathan(0.6, g, 0.1))
-    assert policy.choose(GammaState()) == best
+    assert policy.choose([GammaState()]) == best
 
 
 def test_observe_tracks_alpha_with_forgetting():
@@ -132,16 +166,118 @@ def test_alpha_estimate_follows_the_draft(true_alpha):
 
 def test_never_agreeing_draft_turns_speculation_off():
     policy = GammaPolicy(adaptive=True, cost_ratio=0.05, probe_every=8)
-    state = GammaState()
-    chosen = []
-    for _ in range(80):
-        gamma = policy.choose(state)
-        chosen.append(gamma)
-        policy.observe(state, gamma, 0)
+    chosen = drive(policy, 80, accept=lambda i, g: 0, cost=lambda i, d: (0.05 * d, 1.0))
     assert chosen[0] > 1  # the prior starts optimistic
-    tail = chosen[-16:]  # then off, with a one-token probe every 8 steps
+    tail = chosen[-18:]  # then off, with a one-token probe after every 8 plain steps
     probes = [i for i, g in enumerate(tail) if g]
-    assert set(tail) == {0, 1} and len(probes) == 2 and probes[1] - probes[0] == 8
+    assert set(tail) == {0, 1} and len(probes) == 2 and probes[1] - probes[0] == 9
+
+
+def test_width_costs_ignore_slow_spells_and_follow_a_lasting_change():
+    costs = WidthCosts(window=5, min_samples=3, max_age=100)
+    costs.add(2, 1.0)
+    costs.add(2, 10.0)
+    assert costs.level(2) is None and costs.predict(2) is None  # fewer than min_samples: not trusted
+    costs.add(2, 1.2)
+    assert costs.level(2) == pytest.approx(1.0)
+    for _ in range(2):
+        costs.add(2, 9.0)
+    assert costs.level(2) == pytest.approx(1.2)  # three slow steps of five (10, 9, 9) never show
+    costs.add(2, 9.0)
+    assert costs.level(2) == pytest.approx(9.0)  # a fourth: a lasting change
+    for _ in range(2):
+        costs.add(2, 2.0)
+    assert costs.level(2) == pytest.approx(2.0)  # cheaper again: two steps suffice
+    for _ in range(100):
+        costs.add(4, 2.0)
+    assert costs.level(2) is None and costs.level(4) == 2.0  # not run for max_age samples: forgotten
+
+
+def test_width_costs_between_and_beyond_measured_widths():
+    verify = WidthCosts(window=5, min_samples=1, max_age=100)
+    verify.add(3, 2.0)
+    assert verify.predict(1) == verify.predict(9) == 2.0  # one width: flat (Leviathan's assumption)
+    verify.add(5, 3.0)
+    verify.add(9, 5.0)
+    assert verify.predict(7) == pytest.approx(4.0) and verify.predict(11) == pytest.approx(6.0)  # a line
+    assert verify.predict(1) == pytest.approx(1.0)
+    falling = WidthCosts(window=5, min_samples=1, max_age=100)  # noise: the wider step measured cheaper
+    falling.add(2, 2.0)
+    falling.add(4, 1.0)
+    assert falling.predict(8) == pytest.approx(1.5)  # slope clamped at 0: wider is never cheaper
+    assert falling.predict(2) == 2.0 and falling.predict(1) == pytest.approx(1.5)
+    stuck = WidthCosts(window=5, min_samples=1, max_age=100)  # width 2 measured in a bad spell only
+    for width, seconds in ((1, 1.0), (2, 60.0), (3, 1.2), (4, 1.3), (5, 1.4)):
+        stuck.add(width, seconds)
+    assert stuck.predict(2) == pytest.approx(1.1) and stuck.predict(3) == 1.2  # the line replaces it
+
+
+ALPHA_096 = lambda i, g: g if i % 25 else g // 2  # noqa: E731  every draft accepted but one in 25 steps
+
+
+def spiked(base, at: int, factor: float):
+    """``base`` cost with step ``at`` made ``factor`` times as slow."""
+    return lambda i, drafted: tuple(x * (factor if i == at else 1) for x in base(i, drafted))
+
+
+def steps_until_on(gammas: list[int], after: int) -> int:
+    return next(k for k in range(1, len(gammas) - after) if gammas[after + k] > 0)
+
+
+@pytest.mark.parametrize("factor", [10, 100])
+@pytest.mark.parametrize("at", [0, 1, 30])
+def test_a_single_cost_spike_does_not_switch_speculation_off(factor, at):
+    """A 10× step (GC pause, another process) at c = 0.37, α ≈ 0.96: speculation on again within ≤ 3
+    steps — in fact it never goes off, because the window's low quantile ignores the spike. (The old
+    EWMA rule, c ← 0.8c + 0.2·c_step, made c ≈ 1.04 > α after such a step: off until the next probe.)"""
+    policy = GammaPolicy(adaptive=True)
+    base = lambda i, d: (0.37 * d, 1.0)  # noqa: E731
+    gammas = drive(policy, 60, accept=ALPHA_096, cost=spiked(base, at, factor))
+    assert steps_until_on(gammas, at) <= 3
+    plain = [i for i, g in enumerate(gammas) if g == 0]
+    # only the plain steps that measure T(1) (3 at first, then one per refresh_every), none for the spike
+    assert len(plain) <= 3 + 60 // policy.refresh_every
+    assert sum(gammas[40:]) / 20 >= 4  # long chains at α ≈ 0.96, c = 0.37 (the bound's argmax is 5)
+
+
+def test_sustained_high_cost_switches_speculation_off_and_probing_brings_it_back():
+    policy = GammaPolicy(adaptive=True, probe_every=16)
+    normal = lambda i, d: (0.37 * d, 1.0)  # noqa: E731
+    cost = lambda i, d: (3.7 * d, 1.0) if 30 <= i < 90 else normal(i, d)  # noqa: E731
+    gammas = drive(policy, 130, accept=ALPHA_096, cost=cost)
+    off_from = next(i for i in range(30, 90) if gammas[i] == 0)
+    assert off_from - 30 <= 5  # the fourth costly sample moves the estimate
+    assert sum(g > 0 for g in gammas[off_from:90]) <= 6  # probes only, with a doubling interval
+    on_again = next(i for i in range(90, 130) if gammas[i] > 1)
+    assert on_again - 90 <= policy.probe_every + 2 * policy.costs.min_samples  # next probe, then quick ones
+
+
+def test_verify_width_cost_is_priced_per_batch_size():
+    """A verify of γ + 1 tokens per row that costs γ + 1 times a plain step (compute-bound, large batch)
+    cannot pay; the same draft where verify width is free (small batch) does. The large batch stays
+    plain, probing rarely."""
+    def cost(rows):
+        return lambda i, d: (0.1 * d, 1.0 + (1.0 * d if rows > 8 else 0.0))
+
+    accept = lambda i, g: g if i % 5 else 0  # noqa: E731  α ≈ 0.8
+    small = drive(GammaPolicy(adaptive=True), 100, rows=1, accept=accept, cost=cost(1))
+    assert sum(g >= 2 for g in small[50:]) >= 45
+    large = drive(GammaPolicy(adaptive=True, probe_every=16), 200, rows=16, accept=accept, cost=cost(16))
+    assert set(large[100:]) == {0, 1} and large[100:].count(1) <= 100 // 16 + 1  # one-token probes
+
+
+def test_one_gamma_for_the_batch_weighs_every_row():
+    """The verify is as wide as the longest chain, so the batch gets one γ, chosen on all rows' α. Where
+    the width is cheap, a row that never agrees does not stop its neighbour's long chains; where the width
+    costs (a compute-bound target), one agreeable row cannot carry fifteen that disagree."""
+    flat = lambda i, d: (0.1 * d, 1.0)  # noqa: E731
+    mixed = drive(GammaPolicy(adaptive=True), 60, rows=2, accept=[lambda i, g: g, lambda i, g: 0], cost=flat)
+    assert sum(g >= 4 for g in mixed[30:]) >= 29
+    steep = lambda i, d: (0.1 * d, 1.0 + 0.5 * d)  # noqa: E731
+    alone = drive(GammaPolicy(adaptive=True), 60, rows=1, accept=lambda i, g: g, cost=steep)
+    crowd = drive(GammaPolicy(adaptive=True), 60, rows=16, accept=[lambda i, g: g] + [lambda i, g: 0] * 15,
+                  cost=steep)
+    assert sum(g >= 2 for g in alone[30:]) >= 29 and crowd[30:].count(0) >= 25
 
 
 def test_bounds_are_validated():
@@ -149,3 +285,43 @@ def test_bounds_are_validated():
         GammaPolicy(gamma=9, gamma_max=8)
     with pytest.raises(ValueError):
         GammaPolicy(gamma=1, gamma_min=2)
+    with pytest.raises(ValueError):
+        GammaPolicy(probe_first=0)
+
+
+class SlowStages(LocalStages):
+    """The real stages, with a 0.2 s sleep in every verify that prefills and in one chosen step's drafting."""
+
+    def __init__(self, verifier, proposer, slow_step: int):
+        super().__init__(verifier, proposer)
+        self.slow_step = slow_step
+        self.gammas: list[int] = []
+
+    def submit_propose(self, items, shard=0):
+        self.gammas.append(max(it.gamma for it in items))
+        if len(self.gammas) - 1 == self.slow_step:
+            time.sleep(0.2)
+        return super().submit_propose(items, shard)
+
+    def submit_verify(self, items, proposal, shard=0):
+        if any(it.sync.base == 0 for it in items):
+            time.sleep(0.2)
+        return super().submit_verify(items, proposal, shard)
+
+
+def test_engine_feeds_every_decode_step_to_the_cost_model(target):
+    """Through the engine: each decode step's wall time reaches the cost model at its verify width (the
+    prefill's does not), and a step slowed to 0.2 s leaves no trace in the estimates."""
+    stages = SlowStages(VerifyStage(ModelRunner(target, max_slots=1, max_len=128)),
+                        DraftModelProposer(target, max_slots=1, max_len=128), slow_step=12)
+    policy = GammaPolicy(adaptive=True, gamma=2, gamma_max=3)
+    engine = Engine(stages, policy=policy, max_len=128)
+    out = engine.generate([Request((5, 6, 7, 8), max_tokens=60)])[0]
+    assert len(out.tokens) == 60
+    bucket = policy.costs.bucket(1)
+    assert bucket.steps == len(stages.gammas) - 1  # every step but the prefill
+    recorded = sorted({w for w, samples in bucket.seconds.samples.items() if samples})
+    assert recorded == sorted({g + 1 for g in stages.gammas[1:]})
+    slow = [x for samples in bucket.seconds.samples.values() for _, x in samples if x >= 0.2]
+    assert len(slow) <= 1  # the prefill never; the slowed step once, if still in its window
+    assert all(m < 0.2 for m in bucket.seconds.levels().values())

@@ -64,7 +64,7 @@ def test_speculation_that_costs_is_switched_off_and_probed():
 
 
 def test_switches_back_when_speculation_pays_again():
-    ctrl = GoodputController(GoodputConfig(probe_every=8, probe_steps=2, weight=0.5))
+    ctrl = GoodputController(GoodputConfig(probe_every=8, probe_steps=2, window=4))
     # Speculation costs during the first 100 steps, then pays (the text became predictable, say).
     cost = lambda spec, i: ((1.5, 3.0) if i < 100 else (4.0, 1.1)) if spec else (1.0, 1.0)  # noqa: E731
     plans = drive(ctrl, 200, cost)
@@ -133,7 +133,9 @@ def test_config_validation():
     with pytest.raises(ValueError):
         GoodputConfig(probe_every=0)
     with pytest.raises(ValueError):
-        GoodputConfig(weight=0.0)
+        GoodputConfig(window=0)
+    with pytest.raises(ValueError):
+        GoodputConfig(outlier=1.0)
     with pytest.raises(ValueError):
         GoodputConfig(hysteresis=-0.1)
 
@@ -214,3 +216,16 @@ def test_engine_without_controller_is_unchanged(target, noisy_draft, prompts):
     assert engine.goodput is None
     engine.generate([Request(p, max_tokens=4) for p in prompts[:2]])
     assert engine.stats.proposed > 0
+
+
+def test_a_single_slow_step_does_not_switch_speculation_off():
+    """One 10× step (a GC pause) among speculative steps that pay: left out, no switch. A lasting
+    slowdown of speculative steps is not an outlier: it switches."""
+    ctrl = GoodputController(GoodputConfig(probe_every=8, probe_steps=2))
+    spike = lambda spec, i: ((3.0, 12.0 if i == 40 else 1.2) if spec else (1.0, 1.0))  # noqa: E731
+    drive(ctrl, 80, spike)
+    assert ctrl.mode(1) == SPECULATE and ctrl.state(1).switches == 0
+    lasting = lambda spec, i: ((3.0, 12.0 if i >= 40 else 1.2) if spec else (1.0, 1.0))  # noqa: E731
+    ctrl = GoodputController(GoodputConfig(probe_every=8, probe_steps=2))
+    drive(ctrl, 80, lasting)
+    assert ctrl.mode(1) == PLAIN and ctrl.state(1).switches == 1

@@ -1,9 +1,10 @@
 """The KubeRay manifests in k8s/, checked offline.
 
 - They are exactly what scripts/render_k8s.py renders from cluster/examples/h200.yaml (no drift).
-- They validate against the KubeRay CRDs in ../shared/kuberay-crds (jsonschema on the served version's
-  openAPIV3Schema), plus a strict pass for keys the schema does not define (the CRDs accept unknown keys
-  silently), plus KubeRay's replica-count rules; skipped with a message where the CRDs are absent.
+- They validate against the KubeRay CRDs vendored in k8s/schemas/kuberay (jsonschema on the served
+  version's openAPIV3Schema), plus a strict pass for keys the schema does not define (the CRDs accept
+  unknown keys silently), plus KubeRay's replica-count rules. The vendored files match the hashes their
+  SOURCE.md records.
 - ``serveConfigV2`` validates against Ray Serve's ``ServeDeploySchema`` with a strict unknown-key pass, and
   its ``args`` load with ``ClusterConfig.from_dict`` into the config they were rendered from.
 - The worker groups can place every replica and rank the config asks for (``cluster.placement.check_fits``).
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,9 @@ from scripts.render_serve_config import RenderError, validate_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-CRD_DIR = Path(__file__).parents[2].parent / "shared" / "kuberay-crds"
+CRD_DIR = K8S / "schemas" / "kuberay"
+CRD_FILES = ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml")
 FILES = ("rayservice.yaml", "raycluster.yaml", "rayservice-gcs-ft.yaml")
-
-needs_crds = pytest.mark.skipif(
-    not all((CRD_DIR / f).is_file() for f in ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml")),
-    reason=f"KubeRay CRD schemas not found in {CRD_DIR} (../shared/kuberay-crds beside the repository): "
-           "CRD validation of k8s/ skipped")
 
 
 def load(name: str) -> dict[str, Any]:
@@ -111,10 +109,14 @@ def test_groups_pin_their_machines_and_token_auth_is_on() -> None:
     selectors = {g["groupName"]: g["template"]["spec"]["nodeSelector"] for g in spec["workerGroupSpecs"]}
     assert selectors == {"verifier-h200": {"node.kubernetes.io/instance-type": "p5e.48xlarge"},
                          "draft-l4": {"node.kubernetes.io/instance-type": "g6.12xlarge"}}
-    for group in spec["workerGroupSpecs"]:
-        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
-        assert env["SPECSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "specserve-api-key",
-                                                                         "key": "api-key"}
+    # The API key: the Secret as the file http.api_key_file names (~ = /home/ray) in every pod, in no env.
+    for pod in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod_spec = pod["template"]["spec"]
+        container = pod_spec["containers"][0]
+        assert [e["name"] for e in container["env"]] == ["TOKENIZERS_PARALLELISM"]
+        volume = next(v for v in pod_spec["volumes"] if v["name"] == "api-key")
+        assert volume["secret"] == {"secretName": "specserve-api-key", "items": [{"key": "api-key", "path": "api_key"}]}
+        assert {"name": "api-key", "mountPath": "/home/ray/.specserve", "readOnly": True} in container["volumeMounts"]
 
 
 def test_gcs_fault_tolerance_flag() -> None:
@@ -133,12 +135,17 @@ def test_gcs_fault_tolerance_flag() -> None:
 def test_render_refuses_secrets_in_clear_and_disabled_auth() -> None:
     data = yaml.safe_load((REPO / DEFAULT_CONFIG).read_text(encoding="utf-8"))
     with_key = copy.deepcopy(data)
-    with_key["http"].pop("api_key_env")
+    with_key["http"].pop("api_key_file")
     with_key["http"]["api_key"] = "s3cret"
     with pytest.raises(RenderError, match=r"^http\.api_key: would be written in clear"):
         render(ClusterConfig.from_dict(with_key))
     open_cluster = copy.deepcopy(data)
     open_cluster["ray"]["auth_mode"] = "disabled"
+    with pytest.raises(ValueError, match=r"ray\.auth_mode: 'disabled' is allowed only for a cluster on loopback"):
+        ClusterConfig.from_dict(open_cluster)  # address auto: the config itself refuses it
+    # A config that would be fine on one machine (a local cluster on loopback) is not, rendered for Kubernetes.
+    open_cluster["ray"] = {"auth_mode": "disabled"}
+    del open_cluster["cluster"]
     with pytest.raises(RenderError, match=r"^ray\.auth_mode: .*token"):
         render(ClusterConfig.from_dict(open_cluster))
 
@@ -146,10 +153,17 @@ def test_render_refuses_secrets_in_clear_and_disabled_auth() -> None:
 # ---- CRD validation -------------------------------------------------------------------------------
 
 
-@needs_crds
+def test_vendored_crds_match_their_source_record() -> None:
+    source = (CRD_DIR / "SOURCE.md").read_text(encoding="utf-8")
+    assert "Apache License" in (CRD_DIR / "LICENSE").read_text(encoding="utf-8")
+    for name in CRD_FILES:
+        digest = hashlib.sha256((CRD_DIR / name).read_bytes()).hexdigest()
+        assert f"`{name}` `{digest}`" in source, f"{name}: SHA-256 {digest} is not the one SOURCE.md records"
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_manifest_validates_against_kuberay_crd(name: str) -> None:
-    assert validate_manifest(load(name), CRD_DIR) == []
+    assert validate_manifest(load(name)) == []  # the default: the vendored CRDs, the same as CRD_DIR
 
 
 def test_strict_pass_skips_maps_and_preserved_objects() -> None:
@@ -218,7 +232,6 @@ BROKEN = [
 ]
 
 
-@needs_crds
 @pytest.mark.parametrize("what,edit,message", BROKEN, ids=[b[0] for b in BROKEN])
 def test_broken_copy_fails_readably(what: str, edit, message: str) -> None:
     doc = load("rayservice.yaml")
@@ -228,7 +241,6 @@ def test_broken_copy_fails_readably(what: str, edit, message: str) -> None:
     assert all("\n" not in p for p in problems), problems
 
 
-@needs_crds
 def test_raycluster_broken_copy_fails_readably() -> None:
     doc = load("raycluster.yaml")
     doc["spec"]["workerGroupSpecs"][1]["maxReplicas"] = 0

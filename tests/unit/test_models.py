@@ -77,7 +77,10 @@ def test_load_saved_folder(tmp_path):
     tokens = [5, 9, 13, 40]
     assert torch.equal(_hf_logits(loaded, tokens), _hf_logits(model, tokens))
     assert next(load_causal_lm(str(tmp_path), dtype="bf16", device="cpu").parameters()).dtype == torch.bfloat16
-    assert torch.equal(_hf_logits(build_model(str(tmp_path), device="cpu"), tokens), _hf_logits(model, tokens))
+    # build_model may swap in prepacked Linear kernels: they sum in another order than stock nn.Linear, so
+    # logits agree to rounding (last-bit differences seen on AVX-512 CPUs), not bit for bit.
+    torch.testing.assert_close(_hf_logits(build_model(str(tmp_path), device="cpu"), tokens), _hf_logits(model, tokens),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])

@@ -1,4 +1,4 @@
-"""The acceptance rule as a pure function (DESIGN.md §8).
+"""The acceptance rule as a pure function (docs/design.md#acceptance).
 
 - Table tests in the style of vLLM's ``test_rejection_sampler.py``: ±100 logits make p and q one-hot, so
   every outcome is deterministic.
