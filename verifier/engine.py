@@ -54,6 +54,9 @@ class Sequence:
     finish_reason: str | None = None
     failures: int = 0  # consecutive verify steps that could not run for this sequence
     text: str | None = None  # output text cut at a stop string, when one matched
+    # Sampled with the caller's seed: drafts the configured γ, never a measured-cost one. The emitted
+    # sample depends on the draft length, so a timing-driven γ would break "same seed, same sample".
+    seeded: bool = False
 
     @property
     def generated(self) -> list[int]:
@@ -158,6 +161,7 @@ class Engine:
                              f"{self.max_len} tokens")
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer")
+        seeded = request.sampling.seed is not None and not request.sampling.greedy
         if request.sampling.seed is None and not request.sampling.greedy:
             # The stages key every random draw on the seed (``rng``); without one, all unseeded requests
             # would share seed 0 and identical prompts would get identical "samples".
@@ -165,7 +169,7 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
             self._next_id += 1
-        self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt))))
+        self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt), seeded=seeded)))
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
@@ -226,7 +230,7 @@ class Engine:
         chosen = 0 if plan is not None and not plan.speculate else self._gamma(batch)
         items = []
         for seq in batch:
-            gamma = self._room(seq, chosen)
+            gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else chosen)
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)

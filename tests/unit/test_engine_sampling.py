@@ -128,3 +128,17 @@ def test_unseeded_requests_are_not_all_alike(target, noisy_draft):
     prompt = make_prompts(9, n=2)[1]
     outs = engine.generate([Request(prompt, max_tokens=8, sampling=SamplingParams(temperature=1.0))] * 12)
     assert len({o.tokens for o in outs}) > 6
+
+
+def test_seeded_sample_does_not_depend_on_measured_costs(target, noisy_draft, prompts):
+    """The emitted sample depends on the draft length, and the adaptive γ follows measured step times; a
+    request with the caller's seed must give the same sample however the timings came out."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    outs = []
+    for spec_cost in (0.5, 50.0):  # speculation looks cheap, then hopeless
+        engine = make_engine(target, noisy_draft, gamma=3, adaptive=True)
+        for _ in range(5):
+            engine.policy.observe_step(1, 0, 1.0)
+            engine.policy.observe_step(1, 3, spec_cost)
+        outs.append(engine.generate([Request(prompts[3], max_tokens=MAX_NEW, sampling=params)])[0].tokens)
+    assert outs[0] == outs[1]
