@@ -26,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -417,3 +420,14 @@ class Ledger:
             notes = ", ".join(f"{k}={v}" for k, v in row["notes"].items())
             lines.append(" ".join([f"{name:<{width}}", *cells, " " + notes]))
         return "\n".join(lines)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop a `specserve serve` started in its own session: SIGINT (it drains and shuts Ray down), then kill."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)  # serve_forever drains and shuts its Ray cluster down
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)  # its own process group (start_new_session)
+            server.wait(10)

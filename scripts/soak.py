@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from deployments.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, is_loopback,
-                                 listening_sockets, replica_pid, stalled_bodies, steady)
+                                 listening_sockets, replica_pid, stalled_bodies, steady, stop_server)
 
 REPO = Path(__file__).resolve().parents[1]
 APP_NAME = "specserve"  # deployments.launch.APP_NAME: the app `specserve serve` deploys
@@ -252,16 +252,6 @@ def start_server() -> tuple[subprocess.Popen, Target]:
             stop_server(server)
             raise SystemExit(f"specserve serve did not become healthy; see {folder / 'serve.log'}")
         time.sleep(1.0)
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGINT)  # serve_forever drains and shuts its Ray cluster down
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # its own process group (start_new_session)
-            server.wait(10)
 
 
 if __name__ == "__main__":

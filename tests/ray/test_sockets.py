@@ -19,7 +19,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
-import signal
 import socket
 import stat
 import subprocess
@@ -30,6 +29,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from deployments.loadgen import stop_server
 
 pytestmark = pytest.mark.ray
 
@@ -105,17 +106,6 @@ def _start(config: Path, log: Path, env: dict[str, str]) -> tuple[subprocess.Pop
     return proc, port
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)  # serve_forever drains and shuts its Ray cluster down
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own process group (start_new_session)
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("launch")
@@ -147,7 +137,7 @@ def launch(tmp_path_factory):
             yield {"proc": proc, "port": port, "key": key, "state": state, "folder": folder}
             return
         finally:
-            _stop(proc)
+            stop_server(proc)
 
 
 def test_every_socket_listens_on_loopback_only(launch):
