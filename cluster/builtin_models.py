@@ -2,7 +2,7 @@
 
 The target, and a draft that is a slightly noisy copy of it, so acceptance sits in between. For tests and
 smoke runs; it has no tokenizer (token ids only). Kept torch-free so that the memory plan can size it;
-``verifier.models.tiny_llama`` builds it from these keyword arguments.
+``runtime.models.tiny_llama`` builds it from these keyword arguments.
 """
 
 TINY_TARGET = {"seed": 0, "vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4,

@@ -44,7 +44,7 @@ log = logging.getLogger("specserve.config")
 
 BUILTIN_TINY = "builtin:tiny"
 GAMMA_HARD_CAP = 16  # longest chain the verifier and the wire format accept
-MAX_BATCH_CAP = 1 << 16  # cluster.wire.MAX_ROWS: the most rows one frame may carry
+MAX_BATCH_CAP = 1 << 16  # runtime.wire.MAX_ROWS: the most rows one frame may carry
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Threads = Annotated[int, Field(ge=1, strict=True)] | Literal["auto"]

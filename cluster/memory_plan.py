@@ -7,7 +7,7 @@ Per replica, in bytes:
   shapes; ``builtin:tiny`` its config in code). A tensor-parallel rank holds its shards of the projection
   and LM-head weights and a whole embedding.
 - **prepacked copy**: on CPU in float32 the Linear weights are held once, in oneDNN's packed layout
-  (``verifier/cpu_linear.py``); only an LM head tied to the embedding is held twice (the embedding needs
+  (``runtime/cpu_linear.py``); only an LM head tied to the embedding is held twice (the embedding needs
   the dense matrix), and that second copy is this row.
 - **KV cache**: the preallocated pool, ``2 × layers × slots × (max_model_len + 1) × kv_heads × head_dim``.
   The verifier has ``router.max_running`` slots, a draft replica ``draft_slots``.
@@ -101,7 +101,7 @@ class ModelShape:
         return self.embedding_params + head + self.num_layers * self.layer_linear_params + self.other_params
 
     def kv_bytes_per_slot(self, max_len: int, elem: int, tp: int = 1) -> int:
-        # +1 position: the scratch column that padded tokens write to (verifier/runner.py).
+        # +1 position: the scratch column that padded tokens write to (runtime/runner.py).
         return 2 * self.num_layers * (max_len + 1) * (self.num_kv_heads // tp) * self.head_dim * elem
 
 

@@ -4,7 +4,7 @@ A model path names a Hugging Face folder (``config.json``, weights, usually ``to
 file, or a folder whose only model file is one ``.gguf``. ``inspect_model`` reads what the checks need — the
 model family, vocabulary size, attention heads and the tokenizer's id → token table — from ``config.json`` /
 ``tokenizer.json`` or from the GGUF header, and refuses what the compact forward cannot run. Config validation
-(``cluster.config``) and model loading (``verifier.models``) both call it, and ``check_draft_matches`` is the
+(``cluster.config``) and model loading (``runtime.models``) both call it, and ``check_draft_matches`` is the
 one rule for whether a draft's token ids mean the target's tokens, so a pair cannot pass one and fail the other.
 
 No torch, numpy or ``gguf`` import: the GGUF header is parsed here with ``struct`` (the ``gguf`` package's
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The families whose block the compact forward (verifier/forward.py) implements.
+# The families whose block the compact forward (runtime/forward.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 

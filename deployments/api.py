@@ -149,7 +149,7 @@ class GenerateResponse:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
-    stats: dict  # acceptance_rate, acceptance_length, steps, … (verifier.stats.SpecStats.as_dict)
+    stats: dict  # acceptance_rate, acceptance_length, steps, … (engine.stats.SpecStats.as_dict)
 
 
 @dataclass

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from ray import serve
 
-from cluster import wire
+from runtime import wire
 from cluster.config import ClusterConfig
 from cluster.memory_plan import draft_slots
 from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
-from verifier.factory import make_proposer
+from engine.assembly import make_proposer
 
 
 @serve.deployment(name="DraftPool")

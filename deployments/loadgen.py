@@ -374,6 +374,14 @@ def is_loopback(address: str) -> bool:
 # -- the ledger ----------------------------------------------------------------------------------------
 
 
+def pct(values, q: float) -> float:
+    """The q-th percentile (0-100) of values by nearest rank; NaN for none."""
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
 class Ledger:
     """Outcome counts per scenario, as a table and as JSON. ``add`` classifies results (and, given the
     expected token ids per result, counts the complete ones that differ); ``note`` records other figures."""
@@ -407,7 +415,7 @@ class Ledger:
             out[name] = {k: v for k, v in row.items() if k != "latencies"}
             out[name]["notes"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in row["notes"].items()}
             out[name]["latency_p50_s"] = round(statistics.median(lat), 4) if lat else None
-            out[name]["latency_p99_s"] = round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4) if lat else None
+            out[name]["latency_p99_s"] = round(pct(lat, 99), 4) if lat else None
         return out
 
     def table(self) -> str:

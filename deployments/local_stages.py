@@ -4,7 +4,7 @@ With remote stages every step is one Serve call to the draft pool and one to the
 project's 2-core CPU VM such a call cost ~5 ms against ~8 ms for the embedded target's whole step, so the
 served path decoded at half the speed of the same engine in-process, speculation or not
 (scripts/bench_served.py). With local stages the router's step loop drives the engine the CLI and the
-benchmarks use (``verifier.factory.make_engine``: both models and their KV caches in this process), and the
+benchmarks use (``engine.assembly.make_engine``: both models and their KV caches in this process), and the
 only hops left are per request (HTTP → ingress → router).
 
 The router replica is set up as a verifier replica would be (``deployments.replica_process``: memory
@@ -19,9 +19,9 @@ import functools
 from cluster.config import ClusterConfig
 from cluster.memory_plan import LOCAL_ROUTER
 from deployments.replica_process import start_replica
-from verifier.engine import Engine
-from verifier.factory import EngineSettings, make_engine
-from verifier.models import has_tokenizer, load_tokenizer
+from engine.engine import Engine
+from engine.assembly import EngineSettings, make_engine
+from runtime.models import has_tokenizer, load_tokenizer
 
 
 def local_engine_factory(args: dict):

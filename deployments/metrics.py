@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray.util import metrics as ray_metrics
 
 from cluster import metrics as names
-from verifier.stats import SpecStats
+from engine.stats import SpecStats
 
 _KINDS = {"counter": ray_metrics.Counter, "gauge": ray_metrics.Gauge, "histogram": ray_metrics.Histogram}
 

@@ -1,6 +1,6 @@
 """The router: continuous batching and the step loop, and the typed Serve-handle API.
 
-Each router replica runs one ``verifier.engine.Engine`` — the same step loop the unit tests drive
+Each router replica runs one ``engine.engine.Engine`` — the same step loop the unit tests drive
 in-process — on a dedicated thread, with ``RemoteStages`` in place of in-process stages. Requests enter
 through ``generate`` / ``generate_stream`` (asyncio, on the replica's event loop), join the engine's
 batch at the next step, and receive their tokens through a per-request queue. Admission control is
@@ -27,10 +27,10 @@ from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, G
 from deployments.metrics import RouterMetrics
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
-from verifier.engine import Engine, Output, Request, StepEvent
-from verifier.factory import make_goodput, make_policy
-from verifier.models import has_tokenizer, load_tokenizer
-from verifier.protocol import SamplingParams
+from engine.engine import Engine, Output, Request, StepEvent
+from engine.assembly import make_goodput, make_policy
+from runtime.models import has_tokenizer, load_tokenizer
+from runtime.protocol import SamplingParams
 
 log = logging.getLogger("specserve.router")
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from cluster.config import ClusterConfig
-from cluster.wire import WireLimits
-from verifier.factory import EngineSettings
-from verifier.models import resolve_spec, spec_vocab_size
+from runtime.wire import WireLimits
+from engine.assembly import EngineSettings
+from runtime.models import resolve_spec, spec_vocab_size
 from verifier.verify import AcceptanceConfig
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from cluster import wire
+from runtime import wire
 from deployments.replica_process import thread_info, use_threads
 
 

@@ -1,6 +1,6 @@
 """The engine's two stages as remote Serve deployments (the router's side of the wire).
 
-``RemoteStages`` implements ``verifier.engine.Stages`` over Serve handles: one msgpack frame per stage per
+``RemoteStages`` implements ``engine.engine.Stages`` over Serve handles: one msgpack frame per stage per
 micro-batch step, never a call per token or per request. Two rules keep requests alive whatever the
 replicas do:
 
@@ -31,9 +31,9 @@ from typing import Sequence
 
 from ray.exceptions import RayActorError
 
-from cluster import wire
-from verifier.engine import Done
-from verifier.protocol import ProposalBatch, ProposeItem, VerifyItem, VerifyOutcome
+from runtime import wire
+from engine.engine import Done
+from runtime.protocol import ProposalBatch, ProposeItem, VerifyItem, VerifyOutcome
 
 log = logging.getLogger("specserve.stages")
 

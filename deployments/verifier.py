@@ -13,15 +13,15 @@ import asyncio
 
 from ray import serve
 
-from cluster import wire
+from runtime import wire
 from cluster.config import ClusterConfig
 from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
-from verifier.factory import EngineSettings, make_proposer
-from verifier.models import build_model
-from verifier.runner import ModelRunner
+from engine.assembly import EngineSettings, make_proposer
+from runtime.models import build_model
+from runtime.runner import ModelRunner
 from verifier.verify import VerifyStage
 
 

@@ -4,8 +4,8 @@ Contract:
 - The group places its ranks in one placement group (STRICT_PACK: one node, the NVLink case; PACK or
   SPREAD when a group spans nodes), starts one ``VerifierRankActor`` per bundle, takes rank 0's node
   address and a port that is free there as the rendezvous, and has every rank build and shard the target
-  (``verifier.tensor_parallel.TPVerifierRank``) from a plain model spec (``verifier.models.build_model``).
-- ``verify`` / ``submit_verify`` send the same wire frame (``cluster.wire``; nothing is pickled) to every
+  (``verifier.tensor_parallel.TPVerifierRank``) from a plain model spec (``runtime.models.build_model``).
+- ``verify`` / ``submit_verify`` send the same wire frame (``runtime.wire``; nothing is pickled) to every
   rank, in the same order for every rank (submission happens under one lock), and return rank 0's
   outcome. The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
   releases the rows concerned on every rank, so that they are re-prefilled through ``resync``.
@@ -37,11 +37,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import wire
+from runtime import wire
 from cluster.node import cpu_cores
 from cluster.threads import resolve_threads
 from deployments.replica_process import check_memory, configure_process, model_process_env
-from verifier.protocol import ProposalBatch, VerifyItem, VerifyOutcome
+from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.verify import AcceptanceConfig
 
 log = logging.getLogger(__name__)

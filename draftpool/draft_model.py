@@ -15,10 +15,10 @@ from typing import Sequence
 
 import torch
 
-from verifier.protocol import ProposalBatch, ProposeItem
-from verifier.rng import row_generator
-from verifier.runner import ModelRunner
-from verifier.sampling import sampling_tensors, warp_probs
+from runtime.protocol import ProposalBatch, ProposeItem
+from runtime.rng import row_generator
+from runtime.runner import ModelRunner
+from runtime.sampling import sampling_tensors, warp_probs
 
 DRAFT_STREAM = 1
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from verifier.protocol import ProposalBatch, ProposeItem
+from runtime.protocol import ProposalBatch, ProposeItem
 
 
 class _History:

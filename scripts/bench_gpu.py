@@ -21,7 +21,7 @@ draft; ε sets their greedy agreement), then measures, side by side in one run:
   S = (1−α^(γ+1)) / ((1−α)(γc+1)) at those values; HF ``generate(assistant_model=draft)``; and how many
   speculative outputs are token-identical to plain decoding (in bf16, near-ties may differ);
 - a batch scan (1 … 64 sequences): plain, speculative, and speculative under the goodput guard
-  (``verifier/goodput.py``), median tokens/s of ``--repeats`` runs each;
+  (``engine/goodput.py``), median tokens/s of ``--repeats`` runs each;
 - the reference article's claimed 3.8× / 3.0× / 1.8× (docs/design.md#the-reference-article) beside the
   measured gains, with the cap 1/(1−α) that binds any draft (2.63× at α 0.62, 1.22× at α 0.18);
   ``--large`` (c ≤ 0.05) is the mode where that comparison is fairest.
@@ -43,15 +43,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The GPU image runs this from a checkout without installing the project (no Ray or DeepSpeed there).
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from scripts.build_synthetic_pair import (LARGE_EXTRA, TINY_DRAFT, TINY_EXTRA, DraftConfig, TargetExtra,  # noqa: E402
+from evaluation.synthetic_pair import (LARGE_EXTRA, TINY_DRAFT, TINY_EXTRA, DraftConfig, TargetExtra,  # noqa: E402
                                           build_pair, calibrate_epsilon, param_bytes, param_count,
                                           random_prompts, set_epsilon)
-from verifier.gamma import expected_speedup  # noqa: E402  (S = (1−α^(γ+1)) / ((1−α)(γc+1)); mean γ may be real)
+from engine.gamma import expected_speedup  # noqa: E402  (S = (1−α^(γ+1)) / ((1−α)(γc+1)); mean γ may be real)
 
 CPU_LABEL = "CPU tiny-scale run, not H200 figures"
 SCENARIOS = (("json", 0.89), ("code", 0.62), ("prose", 0.18))
@@ -132,7 +133,7 @@ class Bench:
 
     def __init__(self, target, draft, *, max_slots: int, max_len: int, gamma: int | None):
         from draftpool.draft_model import DraftModelProposer
-        from verifier.runner import ModelRunner
+        from runtime.runner import ModelRunner
         from verifier.verify import VerifyStage
 
         self.target, self.draft = target, draft
@@ -142,9 +143,9 @@ class Bench:
         self.max_slots, self.max_len, self.gamma = max_slots, max_len, gamma
 
     def engine(self, speculate: bool, goodput: bool = False):
-        from verifier.engine import Engine, LocalStages
-        from verifier.gamma import GammaPolicy
-        from verifier.goodput import GoodputController
+        from engine.engine import Engine, LocalStages
+        from engine.gamma import GammaPolicy
+        from engine.goodput import GoodputController
 
         policy = (GammaPolicy(gamma=self.gamma, gamma_min=1, gamma_max=max(8, self.gamma), adaptive=False)
                   if self.gamma else GammaPolicy(gamma=4, gamma_min=1, gamma_max=8, adaptive=True))
@@ -154,7 +155,7 @@ class Bench:
 
     def run(self, engine, prompts: list[tuple[int, ...]], max_tokens: int, one_at_a_time: bool) -> dict:
         """Generate; tokens/s over the wall time (prefill included), outputs and stats."""
-        from verifier.engine import Request
+        from engine.engine import Request
 
         sync(self.device)
         t0 = time.perf_counter()

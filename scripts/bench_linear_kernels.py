@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU Linear kernels: stock ``nn.Linear`` (MKL) vs the oneDNN-prepacked weight, per row count.
 
-Decides how ``verifier/cpu_linear.py`` holds a weight. For the layer shapes of the embedded target
+Decides how ``runtime/cpu_linear.py`` holds a weight. For the layer shapes of the embedded target
 (hidden 384, MLP 1024, vocabulary 4096) and of a Qwen2.5-0.5B-sized model (hidden 896, MLP 4864), times
 one pass over the block's projections at 1 row (batch-1 decode), 2 and 5 rows (a verify of γ = 1, 4),
 17 (prefill-ish) and 80 (batch 16 × 5), each way interleaved, median of repeats:

@@ -41,14 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 # A throwaway cluster on loopback (deployments.loopback): token auth off, as in the tests (README, Security).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
-from bench_scenarios import SCENARIOS, load_prompts  # noqa: E402
-from bench_step_overhead import pct  # noqa: E402
+from deployments.loadgen import pct  # noqa: E402
+from evaluation.scenarios import SCENARIOS, load_prompts  # noqa: E402
 
 PORT = 18000 + os.getpid() % 1000
 
@@ -187,9 +186,9 @@ def main() -> int:
     import torch
 
     from cluster.node import cpu_cores
-    from verifier.engine import Request
-    from verifier.factory import EngineSettings, make_engine
-    from verifier.models import load_tokenizer
+    from engine.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+    from runtime.models import load_tokenizer
 
     args.threads = sorted({1, cpu_cores()} if args.threads is None else {int(t) for t in args.threads.split(",")})
     tokenizer = load_tokenizer(args.target)

@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deployments.loadgen import pct
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -70,13 +71,6 @@ def intersection_length(xs, ys) -> float:
         else:
             j += 1
     return total
-
-
-def pct(values, q) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 async def drive(router, prompts, rate: float, max_tokens: int, seed: int):
@@ -169,7 +163,7 @@ def main() -> int:
     import ray
     import torch
 
-    from verifier.models import resolve_spec, spec_vocab_size
+    from runtime.models import resolve_spec, spec_vocab_size
 
     vocab = spec_vocab_size(resolve_spec(args.target, "target"))
     gen = torch.Generator().manual_seed(args.seed)

@@ -47,7 +47,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from verifier.quality import code_ok, json_ok
+from evaluation.quality import code_ok, json_ok
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"

@@ -14,7 +14,7 @@ pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -
 
 stamp="$VENV/.specserve-setup"
 want=$( (cat pyproject.toml scripts/setup_env.sh; echo "${SPECSERVE_TORCH:-}") | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import torch, ray, deepspeed, verifier.engine" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import torch, ray, deepspeed, engine.engine" 2>/dev/null; then
   exit 0
 fi
 

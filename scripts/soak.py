@@ -209,9 +209,9 @@ async def kill_phase(target, ledger, server, deployment, scenario, bad, prompts,
 
 
 def plain_decoding(prompts: list[list[int]]) -> list[list[int]]:
-    from verifier.engine import Request
-    from verifier.factory import EngineSettings, make_engine
-    from verifier.models import resolve_spec
+    from engine.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+    from runtime.models import resolve_spec
 
     engine = make_engine(EngineSettings(target=resolve_spec("builtin:tiny", "target"), draft=None, device="cpu",
                                         max_len=256, max_slots=len(prompts)))
@@ -238,7 +238,7 @@ def start_server() -> tuple[subprocess.Popen, Target]:
         port = s.getsockname()[1]
     log = open(folder / "serve.log", "wb")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
+    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
                                "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, start_new_session=True)
     target = Target("127.0.0.1", port)

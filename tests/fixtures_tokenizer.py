@@ -2,7 +2,7 @@
 
 ``tiny_pair()`` trains a byte-level BPE on a few KB of embedded text with the ``tokenizers`` library,
 wraps it as a ``PreTrainedTokenizerFast`` (``<s>`` / ``</s>`` / ``<pad>`` at ids 0 / 1 / 2, which is what
-``verifier.models.tiny_llama`` puts in its config), and saves it next to ``tiny_llama(seed)`` and a
+``runtime.models.tiny_llama`` puts in its config), and saves it next to ``tiny_llama(seed)`` and a
 draft ``noisy_copy(target, 0.05, 1)`` in a temporary folder that is removed at interpreter exit. The
 result is cached per process, so every test module of a session shares one pair.
 
@@ -62,7 +62,7 @@ class TinyPair:
 def tiny_pair() -> TinyPair:
     import torch
 
-    from verifier.models import noisy_copy, tiny_llama
+    from runtime.models import noisy_copy, tiny_llama
 
     root = Path(tempfile.mkdtemp(prefix="specserve-tiny-pair-"))
     atexit.register(shutil.rmtree, root, True)

@@ -9,7 +9,7 @@ Contract:
 - Lockstep: every rank must be handed the same calls, in the same order, with the same arguments
   (``TPVerifierRank.verify`` / ``release``); the driver sends each call to all ranks (as DeepSpeed-MII
   and vLLM's Ray executor do) rather than rank 0 broadcasting it. Acceptance and sampling only use the
-  all-reduced logits and per-sequence seeded generators (``verifier.rng``), so every rank computes the
+  all-reduced logits and per-sequence seeded generators (``runtime.rng``), so every rank computes the
   same outcome and commits the same tokens; the driver returns rank 0's outcome.
 - CPU uses gloo, CUDA uses NCCL: the same code but for backend and device. Rendezvous is TCP on a
   routable address of rank 0's node (never 0.0.0.0) and a free port chosen there (``free_port``).
@@ -35,10 +35,10 @@ from typing import Any, Sequence
 import torch
 
 from cluster.model_files import inspect_model
-from verifier import forward as fwd
-from verifier.models import build_model, resolve_device, resolve_dtype
-from verifier.protocol import ProposalBatch, VerifyItem, VerifyOutcome
-from verifier.runner import ModelRunner
+from runtime import forward as fwd
+from runtime.models import build_model, resolve_device, resolve_dtype
+from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
+from runtime.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
 
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory all-reduce op (ShareMemCommBuilder.NAME)
@@ -253,7 +253,7 @@ def load_target(spec, *, tp_size: int, device: torch.device, dtype: torch.dtype,
                 load: str = "full"):
     """Build this rank's copy of the target and shard it; returns (model, how it was loaded).
 
-    ``load="full"`` builds the model on the CPU with ``verifier.models.build_model`` (transformers maps
+    ``load="full"`` builds the model on the CPU with ``runtime.models.build_model`` (transformers maps
     safetensors files lazily, so when the checkpoint already has the serving dtype a rank's private memory
     grows only by its shards; a dtype conversion materialises the whole model per rank for a moment) and
     lets AutoTP copy out this rank's shards. ``load="meta"`` builds the model on the meta device and has

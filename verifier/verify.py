@@ -16,11 +16,11 @@ from typing import Sequence
 
 import torch
 
-from verifier.protocol import ProposalBatch, VerifyItem, VerifyOutcome
+from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.rejection import adjust_threshold, rejection_sample, threshold_accept
-from verifier.rng import row_generator
-from verifier.runner import ModelRunner
-from verifier.sampling import sampling_tensors, warp_probs
+from runtime.rng import row_generator
+from runtime.runner import ModelRunner
+from runtime.sampling import sampling_tensors, warp_probs
 
 VERIFY_STREAM = 0
 

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from draftpool.draft_model import DraftModelProposer
-from scripts.build_synthetic_pair import DraftConfig, TargetExtra, build_pair, calibrate_epsilon
-from verifier.engine import Engine, LocalStages, Request
-from verifier.gamma import GammaPolicy
-from verifier.runner import ModelRunner
+from evaluation.synthetic_pair import DraftConfig, TargetExtra, build_pair, calibrate_epsilon
+from engine.engine import Engine, LocalStages, Request
+from engine.gamma import GammaPolicy
+from runtime.runner import ModelRunner
 from verifier.verify import VerifyStage
 
 pytestmark = pytest.mark.timeout(900)

@@ -12,7 +12,6 @@ the target's; the share thresholds leave room for the toy model's occasional sli
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ from deployments.launch import load_launch_config
 from tests.ray.openai_app import delete_app, deploy_app, openai_client
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_scenarios import code_ok, json_ok, load_prompts  # noqa: E402
+from evaluation.quality import code_ok, json_ok
+from evaluation.scenarios import load_prompts
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600),
               pytest.mark.skipif(not (REPO / "models" / "default" / "target").is_dir(),

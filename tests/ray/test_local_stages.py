@@ -38,8 +38,8 @@ def test_local_stages_serve_what_the_in_process_engine_decodes(router):
     from cluster.config import ClusterConfig
     from deployments.api import GenerateRequest
     from deployments.settings import engine_settings
-    from verifier.engine import Request
-    from verifier.factory import make_engine
+    from engine.engine import Request
+    from engine.assembly import make_engine
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in (5, 17, 30, 9)]

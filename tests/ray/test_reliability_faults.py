@@ -54,9 +54,9 @@ def prompts():
 @pytest.fixture(scope="module")
 def references(prompts):
     """Greedy continuations of 3 × MAX_TOKENS (shorter requests compare with a prefix)."""
-    from verifier.engine import Request
-    from verifier.factory import EngineSettings, make_engine
-    from verifier.models import resolve_spec
+    from engine.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+    from runtime.models import resolve_spec
 
     plain = make_engine(EngineSettings(target=resolve_spec("builtin:tiny", "target"), draft=None, device="cpu",
                                        max_len=ARGS["target"]["max_model_len"], max_slots=N_PROMPTS))

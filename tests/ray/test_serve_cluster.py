@@ -39,7 +39,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def references(prompts):
-    from verifier.models import build_model, resolve_spec
+    from runtime.models import build_model, resolve_spec
 
     target = build_model(resolve_spec("builtin:tiny", "target"), device="cpu")
     refs = []
@@ -97,9 +97,9 @@ async def _run_mixed(router, prompts) -> list[list[int]]:
 
 def test_greedy_matches_reference_and_in_process_engine(router, prompts, references):
     from deployments.api import GenerateResponse
-    from verifier.engine import Request
-    from verifier.factory import EngineSettings, make_engine
-    from verifier.models import resolve_spec
+    from engine.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+    from runtime.models import resolve_spec
 
     resp = router.generate.remote(_request(prompts[0])).result()
     assert isinstance(resp, GenerateResponse)
@@ -150,7 +150,7 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
 def test_malformed_frames_get_typed_errors_and_replicas_keep_serving(router, prompts, references):
     from ray import serve
 
-    from cluster import wire
+    from runtime import wire
 
     for name in ("DraftPool", "Verifier"):
         handle = serve.get_deployment_handle(name, app_name=APP)

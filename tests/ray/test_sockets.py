@@ -100,7 +100,7 @@ def _clean_env(state: Path) -> dict[str, str]:
 def _start(config: Path, log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
+        proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
                                  "--port", str(port)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     return proc, port

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from draftpool.draft_model import DraftModelProposer
-from verifier.engine import Done, Engine, LocalStages, Request
-from verifier.gamma import GammaPolicy
-from verifier.models import noisy_copy, tiny_llama
-from verifier.protocol import ProposalBatch, SyncItem, VerifyItem
-from verifier.runner import ModelRunner
+from engine.engine import Done, Engine, LocalStages, Request
+from engine.gamma import GammaPolicy
+from runtime.models import noisy_copy, tiny_llama
+from runtime.protocol import ProposalBatch, SyncItem, VerifyItem
+from runtime.runner import ModelRunner
 from verifier.verify import VerifyStage
 
 pytestmark = pytest.mark.ray
@@ -63,7 +63,7 @@ class _RetryingVerify:
 
 
 class GroupStages:
-    """``verifier.engine.Stages`` with the draft in this process and the verify stage on the group."""
+    """``engine.engine.Stages`` with the draft in this process and the verify stage on the group."""
 
     def __init__(self, group, draft):
         self.group, self.draft = group, draft

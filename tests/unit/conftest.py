@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.unit.helpers import MAX_NEW, NOISE, hf_greedy, make_prompts
-from verifier.models import noisy_copy, tiny_llama
+from runtime.models import noisy_copy, tiny_llama
 
 # Tiny models run ops of a few microseconds; with two intra-op threads on a 2-core box the OpenMP
 # hand-offs cost ~7 ms per op under load (measured: 23 s vs 1.8 s for the same generation). One thread

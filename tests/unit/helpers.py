@@ -13,9 +13,9 @@ from scipy.stats import chisquare
 
 from draftpool.draft_model import DraftModelProposer
 from draftpool.ngram import NgramProposer
-from verifier.engine import Engine, LocalStages
-from verifier.gamma import GammaPolicy
-from verifier.runner import ModelRunner
+from engine.engine import Engine, LocalStages
+from engine.gamma import GammaPolicy
+from runtime.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
 
 VOCAB = 96  # tiny_llama's default; ids 0, 1, 2 are bos, eos, pad in its config

@@ -29,9 +29,9 @@ def main(raw: str) -> dict[str, int]:
     from cluster.config import ClusterConfig
     from deployments.replica_process import configure_process
     from deployments.settings import engine_settings
-    from verifier.engine import Request
-    from verifier.factory import make_engine
-    from verifier.protocol import SamplingParams
+    from engine.engine import Request
+    from engine.assembly import make_engine
+    from runtime.protocol import SamplingParams
 
     configure_process(1)
     cfg = ClusterConfig.from_dict(json.loads(raw))

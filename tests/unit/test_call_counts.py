@@ -1,6 +1,6 @@
 """Model calls per step: one batched target forward, at most γ batched draft forwards — whatever the batch.
 
-Counted at the lowest level (``verifier.forward.forward``, the only place a model runs, wrapped per
+Counted at the lowest level (``runtime.forward.forward``, the only place a model runs, wrapped per
 model object) and cross-checked with the runners' own ``stats.calls``. The batch of 16 ragged prompts
 joins in three waves, so some steps prefill new sequences while others are mid-chain; a joining
 sequence's prefill rides in the same target forward as everyone else's verification, and its draft
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-import verifier.forward
+import runtime.forward
 from tests.unit.helpers import MAX_NEW, draft_runner, make_engine, target_runner
-from verifier.engine import Request
+from engine.engine import Request
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,13 +24,13 @@ JOINS = {0: range(0, 6), 2: range(6, 11), 3: range(11, 16)}  # step → prompts 
 def forward_calls(monkeypatch):
     """Every model forward as (model, rows in the batch, tokens fed per row)."""
     calls = []
-    real = verifier.forward.forward
+    real = runtime.forward.forward
 
     def counting(model, pool, windows, rows, start, input_ids, *args, **kwargs):
         calls.append((model, int(rows.shape[0]), int(input_ids.shape[1])))
         return real(model, pool, windows, rows, start, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(verifier.forward, "forward", counting)
+    monkeypatch.setattr(runtime.forward, "forward", counting)
     return calls
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 from pathlib import Path
@@ -311,10 +310,3 @@ def test_every_field_is_described_and_every_model_forbids_extras() -> None:
     assert len(seen) == 12  # ClusterConfig and its 11 section models
     ClusterConfig.model_json_schema()  # documentation tooling can render it
 
-
-def test_config_wire_metrics_do_not_import_ray() -> None:
-    for name in ("config.py", "wire.py", "metrics.py"):
-        tree = ast.parse((EXAMPLES.parent / name).read_text())
-        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        modules |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert not any(m == "ray" or m.startswith("ray.") for m in modules), name

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster import wire
+from runtime import wire
 from tests.unit.helpers import (MAX_LEN, MAX_NEW, VOCAB, draft_runner, make_engine, make_prompts, run_to_end,
                                 target_runner)
-from verifier.engine import Done, Engine, LocalStages, Request
-from verifier.kv_cache import KVPoolFull
-from verifier.protocol import SyncItem
-from verifier.runner import ModelRunner, SequenceTooLong
+from engine.engine import Done, Engine, LocalStages, Request
+from runtime.kv_cache import KVPoolFull
+from runtime.protocol import SyncItem
+from runtime.runner import ModelRunner, SequenceTooLong
 
 pytestmark = pytest.mark.timeout(300)
 

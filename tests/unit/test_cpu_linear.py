@@ -1,4 +1,4 @@
-"""oneDNN-prepacked Linear layers (``verifier/cpu_linear.py``): same numbers, same module contract.
+"""oneDNN-prepacked Linear layers (``runtime/cpu_linear.py``): same numbers, same module contract.
 
 - A packed model gives the stock model's logits for one row, a (γ+1)-row verify and a ragged batch;
   greedy speculative decoding on a packed pair stays token-identical to HF greedy on the stock target.
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from tests.unit.helpers import MAX_NEW, hf_greedy, make_engine
-from verifier.cpu_linear import PackedLinear, pack_linears, packing_available
-from verifier.engine import Request
-from verifier.models import build_model, noisy_copy, tiny_llama
-from verifier.protocol import SyncItem
-from verifier.runner import ModelRunner
+from runtime.cpu_linear import PackedLinear, pack_linears, packing_available
+from engine.engine import Request
+from runtime.models import build_model, noisy_copy, tiny_llama
+from runtime.protocol import SyncItem
+from runtime.runner import ModelRunner
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")]

@@ -14,9 +14,9 @@ import collections
 import pytest
 
 from tests.unit.helpers import MAX_NEW, NOISE, hf_greedy, make_engine
-from verifier.engine import Request
-from verifier.models import noisy_copy, tiny_llama
-from verifier.protocol import SamplingParams
+from engine.engine import Request
+from runtime.models import noisy_copy, tiny_llama
+from runtime.protocol import SamplingParams
 from verifier.verify import AcceptanceConfig, VerifyStage
 
 pytestmark = pytest.mark.timeout(300)
@@ -202,7 +202,7 @@ def test_prompt_validation(target):
 
 
 def test_exact_is_the_default(target):
-    from verifier.runner import ModelRunner
+    from runtime.runner import ModelRunner
 
     assert AcceptanceConfig().mode == "exact"
     assert VerifyStage(ModelRunner(target, max_slots=1, max_len=16)).acceptance.mode == "exact"

@@ -14,10 +14,10 @@ import torch
 
 from draftpool.draft_model import DraftModelProposer
 from tests.unit.helpers import MAX_NEW, P_MIN, chi2_pvalue, make_engine, make_prompts
-from verifier.engine import Request
-from verifier.models import tiny_llama
-from verifier.protocol import SamplingParams
-from verifier.sampling import sampling_tensors, warp_probs
+from engine.engine import Request
+from runtime.models import tiny_llama
+from runtime.protocol import SamplingParams
+from runtime.sampling import sampling_tensors, warp_probs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from draftpool.draft_model import DraftModelProposer
-from verifier.engine import Engine, LocalStages, Request
-from verifier.gamma import GammaPolicy, GammaState, WidthCosts, expected_speedup, expected_tokens_per_step
-from verifier.runner import ModelRunner
-from verifier.stats import SpecStats
+from engine.engine import Engine, LocalStages, Request
+from engine.gamma import GammaPolicy, GammaState, WidthCosts, expected_speedup, expected_tokens_per_step
+from runtime.runner import ModelRunner
+from engine.stats import SpecStats
 from verifier.verify import VerifyStage
 
 pytestmark = pytest.mark.timeout(60)

@@ -31,7 +31,7 @@ from cluster.model_files import check_draft_matches, inspect_model
 from tests.fixtures_gguf import gguf_pair, write_gguf
 from tests.fixtures_tokenizer import prompts, reference, tiny_pair
 from tests.unit.helpers import hf_greedy
-from verifier.models import load_causal_lm, load_tokenizer, tiny_llama
+from runtime.models import load_causal_lm, load_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,8 +73,8 @@ def test_gguf_loads_the_folders_weights_and_tokenizer(files):
 def _serve_greedy(target: str, draft: str, texts: list[str]) -> list[tuple[int, ...]]:
     """Greedy outputs through what a replica builds from a validated config (one assembly path)."""
     from deployments.settings import engine_settings
-    from verifier.engine import Request
-    from verifier.factory import make_engine
+    from engine.engine import Request
+    from engine.assembly import make_engine
 
     cfg = ClusterConfig.from_dict({"target": {"path": target, "device": "cpu", "max_model_len": 128},
                                    "draft": {"kind": "model", "path": draft},
@@ -108,7 +108,7 @@ def test_quantised_gguf_pair_serves_its_own_weights_exactly(tmp_path):
 
 
 def test_cli_generate_with_gguf_files(files, capsys):
-    from cluster.cli import main
+    from specserve.cli import main
 
     prompt = prompts(1)[0]
 

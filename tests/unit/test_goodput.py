@@ -1,4 +1,4 @@
-"""The goodput guard (verifier/goodput.py): driven with synthetic timings, and hooked into the engine.
+"""The goodput guard (engine/goodput.py): driven with synthetic timings, and hooked into the engine.
 
 Speculation must never make throughput worse than plain decoding at any batch size: the controller
 measures both modes per batch-size bucket, switches speculation off when plain steps deliver more tokens
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.helpers import MAX_NEW, make_engine
-from verifier.engine import Request
-from verifier.goodput import (PLAIN, SPECULATE, GoodputConfig, GoodputController, StepPlan,
+from engine.engine import Request
+from engine.goodput import (PLAIN, SPECULATE, GoodputConfig, GoodputController, StepPlan,
                               batch_bucket)
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,9 +24,9 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.placement import ACCELERATOR_PREFIX, NodeType, check_fits, role_resources
-from scripts.render_k8s import (DEFAULT_CONFIG, committed_files, render, render_files, unknown_keys,
+from deployments.k8s_manifests import (DEFAULT_CONFIG, committed_files, render, render_files, unknown_keys,
                                 validate_manifest)
-from scripts.render_serve_config import RenderError, validate_serve_config
+from deployments.serve_config import RenderError, validate_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

@@ -23,7 +23,7 @@ import yaml
 from cluster.config import ClusterConfig
 from cluster.placement import (ACCELERATOR_PREFIX, REFERENCE_NODES, NodeType, check_fits, role_resources,
                                sizing_markdown)
-from scripts.render_serve_config import RENDERED, render_file, validate_serve_config
+from deployments.serve_config import RENDERED, render_file, validate_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "cluster" / "launch"

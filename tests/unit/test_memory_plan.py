@@ -26,9 +26,9 @@ import torch
 from cluster.config import ClusterConfig, ConfigError
 from cluster.memory_plan import ModelLoad, PlanError, plan, read_shape
 from cluster.threads import resolve_threads
-from verifier.cpu_linear import PackedLinear, packing_available
-from verifier.models import build_model, tiny_llama
-from verifier.runner import ModelRunner
+from runtime.cpu_linear import PackedLinear, packing_available
+from runtime.models import build_model, tiny_llama
+from runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,7 +132,7 @@ def test_a_config_that_cannot_fit_is_refused_with_the_plan():
 
 
 def test_specserve_plan_prints_the_table_and_exits_by_fit(tmp_path, capsys):
-    from cluster.cli import main
+    from specserve.cli import main
 
     fits = tmp_path / "fits.yaml"
     fits.write_text(f"target: {{path: {EMBEDDED / 'target'}, max_model_len: 256}}\n"

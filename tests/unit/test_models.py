@@ -2,7 +2,7 @@
 
 - ``load_causal_lm`` round-trips a ``save_pretrained`` folder; an unsupported ``model_type`` is refused
   up front with a message naming it; ``check_vocab_compatible`` refuses mismatched vocabularies.
-- The compact ragged forward (``verifier.forward`` through ``ModelRunner``) gives Hugging Face's logits,
+- The compact ragged forward (``runtime.forward`` through ``ModelRunner``) gives Hugging Face's logits,
   one row at a time, for Llama, Qwen2 with mixed sliding-window layers and Mistral, on contexts longer
   than the window — and the window really changes those logits, so the comparison covers it.
 """
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.unit.helpers import make_prompts
-from verifier.forward import layer_windows
-from verifier.models import (ModelLoadError, build_model, check_vocab_compatible, load_causal_lm, noisy_copy,
+from runtime.forward import layer_windows
+from runtime.models import (ModelLoadError, build_model, check_vocab_compatible, load_causal_lm, noisy_copy,
                              resolve_dtype, tiny_llama)
-from verifier.protocol import SyncItem
-from verifier.runner import ModelRunner
+from runtime.protocol import SyncItem
+from runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,5 +143,5 @@ def test_tiny_models_are_deterministic_and_noisy_copy_is_a_copy():
     assert not torch.equal(_hf_logits(noisy, tokens), before)
     assert torch.equal(_hf_logits(noisy_copy(a, 0.0, 1), tokens), before)
     spec = build_model({"tiny": {"seed": 0}, "noise": 0.1, "noise_seed": 1}, device="cpu")
-    # build_model packs the Linear layers for the CPU (verifier/cpu_linear.py): same weights, other kernels.
+    # build_model packs the Linear layers for the CPU (runtime/cpu_linear.py): same weights, other kernels.
     torch.testing.assert_close(_hf_logits(spec, tokens), _hf_logits(noisy, tokens), rtol=1e-5, atol=1e-5)

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from draftpool.ngram import NgramProposer
 from tests.unit.helpers import hf_greedy, make_engine
-from verifier.engine import Request
-from verifier.models import tiny_llama
-from verifier.protocol import ProposeItem, SyncItem
+from engine.engine import Request
+from runtime.models import tiny_llama
+from runtime.protocol import ProposeItem, SyncItem
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""verifier/quality.py on canned outputs: completion continuations and chat answers (fenced or raw).
+"""evaluation/quality.py on canned outputs: completion continuations and chat answers (fenced or raw).
 
 The chat cases are what an instruct model answers (a Markdown fence, often after a sentence of prose);
 the continuation cases are what the embedded pair answers to the repository's prompt sets. Each check
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from verifier.quality import code_has_statement, code_ok, completed_code, fenced_block, json_ok
+from evaluation.quality import code_has_statement, code_ok, completed_code, fenced_block, json_ok
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.unit.helpers import P_MIN, chi2_pvalue
 from verifier.rejection import PAD, adjust_threshold, rejection_sample, threshold_accept
-from verifier.sampling import warp_probs
+from runtime.sampling import warp_probs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from verifier.protocol import GREEDY, SamplingParams
-from verifier.rng import row_generator
-from verifier.sampling import sampling_tensors, warp_probs
+from runtime.protocol import GREEDY, SamplingParams
+from runtime.rng import row_generator
+from runtime.sampling import sampling_tensors, warp_probs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,11 +13,11 @@ import json
 import pytest
 import torch
 
-from scripts.build_synthetic_pair import (TINY_DRAFT, TINY_EXTRA, DraftConfig, TargetExtra, build_draft, build_pair,
+from evaluation.synthetic_pair import (TINY_DRAFT, TINY_EXTRA, DraftConfig, TargetExtra, build_draft, build_pair,
                                           build_target, calibrate_epsilon, greedy_agreement, main, param_count,
                                           random_prompts, save_pair, set_epsilon, shared_layer_map)
 from tests.unit.helpers import hf_greedy, make_engine
-from verifier.engine import Request
+from engine.engine import Request
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,7 +163,7 @@ def test_engine_speculative_equals_plain_decoding():
 
 
 def test_save_and_reload(tmp_path, pair):
-    from verifier.models import load_causal_lm
+    from runtime.models import load_causal_lm
 
     target, draft = pair
     paths = save_pair(target, draft, str(tmp_path))

@@ -21,11 +21,11 @@ import torch.multiprocessing as mp
 
 from draftpool.draft_model import DraftModelProposer
 from tests.unit.helpers import MAX_LEN, MAX_NEW, NOISE, NUM_PROMPTS
-from verifier.engine import Engine, LocalStages, Request
-from verifier.gamma import GammaPolicy
-from verifier.models import noisy_copy, tiny_llama
-from verifier.protocol import SamplingParams, SyncItem
-from verifier.runner import ModelRunner
+from engine.engine import Engine, LocalStages, Request
+from engine.gamma import GammaPolicy
+from runtime.models import noisy_copy, tiny_llama
+from runtime.protocol import SamplingParams, SyncItem
+from runtime.runner import ModelRunner
 from verifier.tensor_parallel import (DistConfig, TensorParallelError, TPVerifierRank, check_tp_divides,
                                       cpu_shm_op_built, free_port, linear_weight_numel, load_target,
                                       shm_segment, tp_grain_size_for)

@@ -1,4 +1,4 @@
-"""cluster.wire: round trips of every message, and hostile frames that must raise WireError only."""
+"""runtime.wire: round trips of every message, and hostile frames that must raise WireError only."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster import wire
-from cluster.wire import Release, WireError, WireLimits
-from verifier.protocol import (
+from runtime import wire
+from runtime.wire import Release, WireError, WireLimits
+from runtime.protocol import (
     GREEDY,
     ProposalBatch,
     ProposeItem,

@@ -8,17 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifier.engine import Engine, LocalStages
-from verifier.gamma import GammaPolicy
-from verifier.goodput import GoodputController
-from verifier.models import build_model, check_vocab_compatible
-from verifier.runner import ModelRunner
+from engine.engine import Engine, LocalStages
+from engine.gamma import GammaPolicy
+from engine.goodput import GoodputController
+from runtime.models import build_model, check_vocab_compatible
+from runtime.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    target: Any  # model spec, see verifier.models.build_model
+    target: Any  # model spec, see runtime.models.build_model
     draft: Any = None  # model spec, "ngram", or None (no speculation)
     device: str = "auto"
     dtype: str = "auto"
@@ -56,7 +56,7 @@ def make_policy(settings: EngineSettings) -> GammaPolicy:
 
 
 def make_goodput(settings: EngineSettings) -> GoodputController | None:
-    """The measured guard (``verifier/goodput.py``) when there is something to guard."""
+    """The measured guard (``engine/goodput.py``) when there is something to guard."""
     return GoodputController() if settings.goodput_guard and settings.draft is not None else None
 
 

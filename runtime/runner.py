@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from verifier import forward as fwd
-from verifier.kv_cache import KVPool
-from verifier.protocol import SyncItem
+from runtime import forward as fwd
+from runtime.kv_cache import KVPool
+from runtime.protocol import SyncItem
 
 
 class SequenceTooLong(ValueError):

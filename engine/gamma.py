@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from verifier.goodput import batch_bucket
+from engine.goodput import batch_bucket
 
 
 def expected_speedup(alpha: float, gamma: int, c: float) -> float:

@@ -12,7 +12,7 @@ in-process it degenerates to plain sequential execution. Sequences join and leav
 (continuous batching); a joining sequence is prefilled by its first verify forward and its draft cache
 by its first proposal.
 
-An optional ``GoodputController`` (``verifier/goodput.py``) is asked per micro-batch whether to speculate
+An optional ``GoodputController`` (``engine/goodput.py``) is asked per micro-batch whether to speculate
 and fed each step's committed tokens and wall time; when it says plain, every row of that step gets γ = 0.
 """
 
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
-from verifier.gamma import GammaPolicy, GammaState
-from verifier.goodput import GoodputController, StepPlan
-from verifier.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
+from engine.gamma import GammaPolicy, GammaState
+from engine.goodput import GoodputController, StepPlan
+from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
                                VerifyItem, VerifyOutcome)
-from verifier.stats import SpecStats
+from engine.stats import SpecStats
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ def _model_arg(value: str):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from verifier.factory import EngineSettings, make_engine
-    from verifier.models import load_tokenizer
-    from verifier.protocol import SamplingParams
-    from verifier.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+    from runtime.models import load_tokenizer
+    from runtime.protocol import SamplingParams
+    from engine.engine import Request
 
     tokenizer = load_tokenizer(args.target)
     settings = EngineSettings(target=args.target, draft=_model_arg(args.draft), device=args.device,

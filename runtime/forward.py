@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verifier.kv_cache import KVPool
+from runtime.kv_cache import KVPool
 
 
 def layer_windows(model) -> list[int | None]:

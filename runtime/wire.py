@@ -9,7 +9,7 @@ Contract:
   every container (``unpackb`` has no ``max_buffer_size``: the size check plays its part), refuse ext
   types, and then check the message against ``WireLimits``. Every failure, whatever the bytes, raises
   ``WireError`` with a message saying what was wrong; nothing else escapes.
-- ``encode_*`` take the dataclasses of ``verifier.protocol`` (and ``Release``) and raise ``WireError``
+- ``encode_*`` take the dataclasses of ``runtime.protocol`` (and ``Release``) and raise ``WireError``
   only for values the format cannot carry (shapes that disagree, ints out of range); decoding is where
   messages are judged.
 - Decoded tensors are fresh CPU tensors (int64 ids/lengths, float32 probabilities) the caller may write.
@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 import torch
 
-from verifier.protocol import (
+from runtime.protocol import (
     ProposalBatch,
     ProposeItem,
     SamplingParams,

@@ -7,7 +7,7 @@ and the verifier — keeps its own copy plus a KV cache, and is told per step on
 new, it restarted, it evicted the sequence) answers with ``resync`` and is sent the whole history. So
 stage state is a cache, never a source of truth: losing a replica costs a re-prefill, never a token.
 
-These dataclasses are plain Python + torch so that ``cluster.wire`` can encode them for msgpack and the
+These dataclasses are plain Python + torch so that ``runtime.wire`` can encode them for msgpack and the
 in-process engine can pass them by reference.
 """
 

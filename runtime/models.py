@@ -13,7 +13,7 @@ import torch
 
 from cluster.builtin_models import TINY_DRAFT_NOISE, TINY_TARGET
 from cluster.model_files import ModelFileError, ModelFiles, check_draft_matches, inspect_model
-from verifier.cpu_linear import pack_linears
+from runtime.cpu_linear import pack_linears
 
 # One error for every model-path problem, whether config validation or loading finds it.
 ModelLoadError = ModelFileError
@@ -122,7 +122,7 @@ def build_model(spec, device: str | None = "auto", dtype: str = "auto", *, cpu_k
     """A model from a serialisable spec, so Ray workers can each build their own copy.
 
     With ``cpu_kernels``, a float32 model on the CPU gets oneDNN-prepacked Linear layers
-    (``verifier.cpu_linear``); callers that shard or move the model afterwards pass False.
+    (``runtime.cpu_linear``); callers that shard or move the model afterwards pass False.
 
     ``spec`` is a local HF folder path, ``{"path": folder, "dtype": ...}``, or ``{"tiny": {...kwargs of
     tiny_llama}, "noise": float, "noise_seed": int}`` (a tiny model from config; with ``noise``, a noisy

@@ -1,0 +1,49 @@
+"""The layer contract in pyproject.toml ([tool.importlinter]) holds, and it is a check that can fail.
+
+Layers, top to bottom: specserve (CLI) > deployments (Ray) > evaluation > engine > verifier | draftpool >
+runtime > cluster. `lint-imports` must pass on the repository; a copy of the packages with one upward
+import added (runtime -> engine) and one Ray import outside deployments/ must fail it, naming each.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _packages() -> list[str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_repository_keeps_every_contract():
+    res = _lint(REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") == 3, res.stdout
+
+
+def test_an_upward_import_and_ray_outside_deployments_break_it(tmp_path):
+    for pkg in _packages():
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    assert _lint(tmp_path).returncode == 0  # the copy alone is clean
+
+    kv = tmp_path / "runtime" / "kv_cache.py"
+    kv.write_text(kv.read_text() + "\nfrom engine import engine as _upward  # noqa: E402,F401\n")
+    res = _lint(tmp_path)
+    assert res.returncode != 0 and "runtime.kv_cache -> engine.engine" in res.stdout, res.stdout
+
+    kv.write_text(kv.read_text().replace("from engine import engine as _upward", "import ray as _ray"))
+    res = _lint(tmp_path)
+    assert res.returncode != 0 and "runtime.kv_cache -> ray" in res.stdout, res.stdout
