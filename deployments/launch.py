@@ -29,7 +29,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig, HttpSpec, RaySpec
 from cluster.secret_files import ensure_token_file, private_copy, ray_token_path
-from deployments.loopback import LOCAL_ONLY_ENV, init_local_ray
+from deployments.loopback import LOCAL_ONLY_ENV, direct_ingress_env, init_local_ray
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "cluster" / "examples" / "default.yaml"
@@ -136,8 +136,11 @@ def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
     """Start Ray + Serve for ``cfg`` and deploy the app; returns once it is RUNNING, with the private API
     key file it made (the caller removes its folder at shutdown) or None."""
     env = ray_auth_env(cfg.ray)
+    proxy_port = cfg.http.port
     if cfg.ray.starts_local_cluster:
         env[LOCAL_ONLY_ENV] = "0"  # before ray is imported (init_local_ray)
+        env.update(direct_ingress_env(cfg.http.port))
+        proxy_port = 0  # the ingress replica holds cfg.http.port; the proxy idles on a free loopback port
     os.environ.update(env)
     import ray
     from ray import serve
@@ -160,7 +163,7 @@ def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
                       file=sys.stderr)
             else:
                 ray.init(address=cfg.ray.address, **kwargs)
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.start(http_options={"host": cfg.http.host, "port": proxy_port})
         deploy(build_app(args), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
     except BaseException:
         if key_file is not None:

@@ -28,11 +28,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -428,6 +431,37 @@ class Ledger:
             notes = ", ".join(f"{k}={v}" for k, v in row["notes"].items())
             lines.append(" ".join([f"{name:<{width}}", *cells, " " + notes]))
         return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config: Path, log_dir: Path, env: dict[str, str] | None = None, *,
+                 timeout_s: float = 300.0) -> tuple[subprocess.Popen, Target]:
+    """``specserve serve --config CONFIG`` on a free loopback port, in its own process group (so
+    ``stop_server`` can end the whole tree), returned once ``/health`` answers 200. A second Ray cluster on
+    a loaded 2-core box can miss Ray's fixed 30 s raylet start window: that start is retried once. Logs go
+    to ``log_dir/serve-N.log``."""
+    for attempt in (1, 2):
+        port, log = free_port(), log_dir / f"serve-{attempt}.log"
+        with open(log, "wb") as out:
+            server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
+                                       "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        target, deadline = Target("127.0.0.1", port), time.monotonic() + timeout_s
+        while server.poll() is None and time.monotonic() < deadline:
+            if asyncio.run(get_json(target, "/health", timeout=5))[0] == 200:
+                return server, target
+            time.sleep(1.0)
+        stop_server(server)
+        text = log.read_text(errors="replace")
+        if attempt == 2 or "timed out during startup" not in text:
+            raise RuntimeError(f"specserve serve did not become healthy (exit {server.returncode}); "
+                               f"{log}:\n{text[-3000:]}")
+    raise AssertionError("unreachable")
 
 
 def stop_server(server: subprocess.Popen) -> None:

@@ -33,7 +33,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from deployments.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, is_loopback,
                                  listening_sockets, replica_pid, stalled_bodies, steady, stop_server)
+from deployments.loadgen import start_server as launch_server
 
 REPO = Path(__file__).resolve().parents[1]
 APP_NAME = "specserve"  # deployments.launch.APP_NAME: the app `specserve serve` deploys
@@ -233,25 +233,10 @@ def start_server() -> tuple[subprocess.Popen, Target]:
     folder = Path(tempfile.mkdtemp(prefix="specserve-soak-"))
     config = folder / "soak.yaml"
     config.write_text(SERVER_CONFIG)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(folder / "serve.log", "wb")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
-                               "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, start_new_session=True)
-    target = Target("127.0.0.1", port)
-    deadline = time.monotonic() + 300
-    while True:
-        status, _ = asyncio.run(get_json(target, "/health", timeout=5))
-        if status == 200:
-            print(f"[soak] server up on port {port} (log {folder / 'serve.log'})", file=sys.stderr)
-            return server, target
-        if server.poll() is not None or time.monotonic() > deadline:
-            stop_server(server)
-            raise SystemExit(f"specserve serve did not become healthy; see {folder / 'serve.log'}")
-        time.sleep(1.0)
+    server, target = launch_server(config, folder, env)
+    print(f"[soak] server up on port {target.port} (logs in {folder})", file=sys.stderr)
+    return server, target
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ can run beside other servers), in an environment with no ``RAY_*`` settings and 
   never runs; a driver attaching to GCS without the token, or with a wrong one, is refused, while the
   same attach with the token succeeds (so the refusals are the token's doing).
 - The HTTP API key is in the environment of no Ray process, and the API requires it.
+- Overload: the HTTP port is the ingress replica's own server (Serve's direct ingress, see
+  deployments/loopback.py), so 640 simultaneous requests against a capacity of 160 (the default
+  max_running 32 + max_queue 128) get only 200 or 503 (+ Retry-After, OpenAI body), rejections answer
+  within 1 s at p99, and every accepted answer is token-identical to the reference. (This runs here, before
+  the session's cluster starts, on the launcher's own path.)
 
 The launch runs in a subprocess with its own Ray cluster (the point is the launcher's own choices, not
 the test session's); the sockets and environments of that process tree are read with psutil.
@@ -16,6 +21,7 @@ the test session's); the sockets and environments of that process tree are read 
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import secrets
@@ -30,7 +36,8 @@ import httpx
 import psutil
 import pytest
 
-from deployments.loadgen import stop_server
+from deployments.loadgen import Target, burst, start_server, stop_server
+from tests.fixtures_tokenizer import prompts, reference, tiny_pair
 
 pytestmark = pytest.mark.ray
 
@@ -41,13 +48,9 @@ AGENT_PORT = 52365  # the dashboard agent's HTTP server (its job API runs even w
 KEY_ENV = "SPECSERVE_TEST_API_KEY"
 # The launch's only Ray-related setting from outside: Ray's usage report off (no traffic off this machine).
 CLEAN_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+MODEL = "tiny"
+OVERLOAD, OVERLOAD_TOKENS, CAPACITY, REJECT_P99_S = 640, 8, 32 + 128, 1.0
 ATTACH = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('ATTACHED', flush=True)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_loopback(ip: str) -> bool:
@@ -97,47 +100,24 @@ def _clean_env(state: Path) -> dict[str, str]:
     return env
 
 
-def _start(config: Path, log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
-                                 "--port", str(port)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, port
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("launch")
     state = folder / "state"
     config = folder / "minimal.yaml"
-    # Only the model and the key's variable are set (no draft keeps the launch to three replicas).
-    config.write_text("target:\n  path: builtin:tiny\n  max_model_len: 128\ndraft:\n  kind: none\n"
-                      f"http:\n  api_key_env: {KEY_ENV}\n")
+    # The models, the embedded default's router capacity and the key's variable: nothing about the network
+    # or Ray, which is the launcher's to choose.
+    pair = tiny_pair()
+    config.write_text(f"target:\n  path: {pair.target}\n  max_model_len: 128\ndraft:\n  kind: model\n  path: {pair.draft}\n"
+                      f"router:\n  stages: local\n  max_running: 32\n  max_queue: 128\n"
+                      f"http:\n  api_key_env: {KEY_ENV}\n  model_name: {MODEL}\n")
     key = "sk-" + secrets.token_hex(16)
-    env = {**_clean_env(state), KEY_ENV: key}
-    for attempt in (1, 2):
-        log = folder / f"serve-{attempt}.log"
-        proc, port = _start(config, log, env)
-        try:
-            deadline = time.monotonic() + 300
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-            else:
-                text = log.read_text(errors="replace")
-                # A second Ray cluster on a loaded 2-core box can miss Ray's fixed 30 s raylet start window.
-                if attempt == 1 and "timed out during startup" in text:
-                    continue
-                pytest.fail(f"specserve serve not healthy (exit {proc.returncode}):\n{text[-3000:]}")
-            yield {"proc": proc, "port": port, "key": key, "state": state, "folder": folder}
-            return
-        finally:
-            stop_server(proc)
+    proc, target = start_server(config, folder, {**_clean_env(state), KEY_ENV: key})
+    try:
+        yield {"proc": proc, "port": target.port, "key": key, "state": state, "folder": folder,
+               "target": Target(target.host, target.port, api_key=key)}
+    finally:
+        stop_server(proc)
 
 
 def test_every_socket_listens_on_loopback_only(launch):
@@ -155,6 +135,8 @@ def test_every_socket_listens_on_loopback_only(launch):
 
     http = [c for c in sockets if c.laddr.port == port]
     assert {c.laddr.ip for c in http} == {"127.0.0.1"}, http
+    # Served by the ingress replica itself, not Serve's proxy (deployments/loopback.direct_ingress_env).
+    assert all("ServeReplica" in _name(procs[c.pid]) and "Ingress" in _name(procs[c.pid]) for c in http), http
     ports = {c.laddr.port for c in sockets}
     assert DASHBOARD_PORT not in ports, "the Ray dashboard listens"
     assert SERVE_GRPC_PORT not in ports, "Serve's gRPC proxy listens"
@@ -252,3 +234,30 @@ def test_api_key_reaches_only_the_ingress(launch):
     assert httpx.get(base, timeout=30).status_code == 401
     r = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 200 and r.json()["data"][0]["id"]
+
+
+def test_overload_rejects_within_a_second_and_accepted_are_identical(launch):
+    texts = prompts(4)
+    for p in texts:
+        reference(p, OVERLOAD_TOKENS)  # computed before the burst, not during it
+    bodies = [{"model": MODEL, "prompt": texts[i % len(texts)], "max_tokens": OVERLOAD_TOKENS,
+               "temperature": 0, "return_token_ids": True} for i in range(OVERLOAD)]
+    t0 = time.perf_counter()
+    results = asyncio.run(burst(launch["target"], bodies))
+    wall = time.perf_counter() - t0
+    assert {r.status for r in results} <= {200, 503, 429}, sorted({r.status for r in results}, key=str)
+    rejected = sorted(r.latency_s for r in results if r.status != 200)
+    accepted = [(i, r) for i, r in enumerate(results) if r.status == 200]
+    p99 = rejected[min(len(rejected) - 1, int(0.99 * len(rejected)))]
+    print(f"\n{OVERLOAD} concurrent: {len(accepted)} x 200, {len(rejected)} rejected in {wall:.1f} s; rejection "
+          f"p50 {rejected[len(rejected) // 2] * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms, max {rejected[-1] * 1e3:.0f} ms")
+    assert len(accepted) >= CAPACITY and len(rejected) >= 100, (len(accepted), len(rejected))
+    for res in results:
+        if res.status != 200:
+            assert int(res.headers["retry-after"]) >= 1
+            err = res.error_body
+            assert err is not None and err["type"] == "server_overloaded" and err["code"] == "overloaded", res.body
+    for i, res in accepted:
+        ids, text, finish = reference(texts[i % len(texts)], OVERLOAD_TOKENS)
+        assert (res.token_ids, res.text, res.finish_reason) == (list(ids), text, finish), res.body[:300]
+    assert p99 <= REJECT_P99_S, p99
