@@ -11,6 +11,12 @@ working, while positions, masks and the KV pool are ours.
 
 Row b feeds ``input_ids[b, :lengths[b]]`` at positions ``start[b] …``; padded tokens write their K/V to
 a scratch column (index ``pool.max_len``) that no read ever covers.
+
+Nothing here reads a tensor back to the host or allocates with a data-dependent shape, so a call with
+fixed-shape inputs can be captured once as a CUDA graph and replayed (``runtime.cuda_graphs``,
+``ModelRunner``'s static step). Where ``runtime.fusion`` has fused a layer's projections, q/k/v and
+gate/up each run as one GEMM and RoPE runs once over q and k; on CUDA the RMSNorms run as fused
+``F.rms_norm`` (fewer kernels per layer, issue 14 item 3).
 """
 
 from __future__ import annotations
@@ -48,6 +54,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
+    """Hugging Face's Llama-family RMSNorm with the normalisation as one fused op (``F.rms_norm``): the same
+    order of roundings (normalise in fp32, cast, then scale by the weight in the model's dtype), 4 kernels
+    instead of 8. Used on CUDA, where kernels cost launches; the CPU runs the model's own module."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype) * norm.weight
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda and hasattr(norm, "variance_epsilon") and hasattr(F, "rms_norm"):
+        return rms_norm(norm, x)
+    return norm(x)
+
+
+def _rope(x: torch.Tensor,  # [B, T, H, D]
+          cos: torch.Tensor, sin: torch.Tensor,  # [B, T, 1, D]
+          ) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
+    fused = getattr(mlp, "fused_gate_up", None)  # runtime.fusion: one GEMM for gate and up
+    if fused is None:
+        return mlp(x)
+    gate, up = fused(x).split(fused.sizes, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 @torch.inference_mode()
 def forward(
     model,
@@ -82,18 +115,24 @@ def forward(
     head_dim = head_dim_of(model)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(B, T, -1, head_dim)
-        k = attn.k_proj(x).view(B, T, -1, head_dim)
-        v = attn.v_proj(x).view(B, T, -1, head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        x = _norm(layer.input_layernorm, hidden)
+        fused = getattr(attn, "fused_qkv", None)  # runtime.fusion: one GEMM for q, k and v
+        if fused is not None:
+            qkv = fused(x)  # [B, T, (Hq + 2 Hkv) · D]
+            nq, nk = fused.sizes[0], fused.sizes[1]
+            qk = _rope(qkv[..., : nq + nk].reshape(B, T, -1, head_dim), cos, sin)  # q and k heads in one pass
+            q, k = qk.split([nq // head_dim, nk // head_dim], dim=2)
+            v = qkv[..., nq + nk:].reshape(B, T, -1, head_dim)
+        else:
+            q = _rope(attn.q_proj(x).view(B, T, -1, head_dim), cos, sin)
+            k = _rope(attn.k_proj(x).view(B, T, -1, head_dim), cos, sin)
+            v = attn.v_proj(x).view(B, T, -1, head_dim)
         pool.write(i, rows, write_pos, k, v)
         keys, values = pool.read(i, rows, kv_len, contiguous_from)  # [B, kv_len, Hkv, D]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=masks[windows[i]], scale=attn.scaling, enable_gqa=True)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
     picked = hidden.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
-    return model.lm_head(inner.norm(picked))
+    return model.lm_head(_norm(inner.norm, picked))

@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 
 from runtime import forward as fwd
+from runtime.cuda_graphs import DEFAULT_MAX_GRAPHS, StepGraphs
+from runtime.fusion import fuse_projections
 from runtime.kv_cache import KVPool
 from runtime.protocol import SyncItem
 
@@ -40,8 +42,25 @@ class ForwardStats:
     tokens_fed: int = 0
 
 
+STATIC_MAX_TOKENS = 16  # rows feeding more than this (a prompt, a resync) take the dynamic, eager path
+
+
+def batch_bucket(n: int) -> int:
+    """The static step's batch size for ``n`` rows: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 class ModelRunner:
-    def __init__(self, model, *, max_slots: int, max_len: int, kv_bucket: int = 16):
+    """``static`` (default on): forwards whose rows feed ≤ ``STATIC_MAX_TOKENS`` tokens run through fixed
+    input buffers keyed by (batch bucket, tokens per row, logits per row, KV-length bucket), captured as CUDA
+    graphs on a GPU (``graphs``, default: on CUDA) and run eagerly on the CPU. ``pad_batch`` (default: where
+    graphs run) pads the batch to a power of two so that few shapes exist; padded rows write to the scratch
+    column. ``fuse`` (default: on CUDA) fuses each layer's q/k/v and gate/up projections (``runtime.fusion``).
+    """
+
+    def __init__(self, model, *, max_slots: int, max_len: int, kv_bucket: int = 16, static: bool = True,
+                 graphs: bool | None = None, pad_batch: bool | None = None, fuse: bool | None = None,
+                 max_graphs: int = DEFAULT_MAX_GRAPHS):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -49,6 +68,12 @@ class ModelRunner:
         self.max_len = max_len
         self.kv_bucket = kv_bucket
         self.windows = fwd.layer_windows(model)
+        if self.device.type == "cuda" if fuse is None else fuse:
+            fuse_projections(model)
+        self.static = static
+        self.graphs = StepGraphs(self.device, enabled=graphs, max_graphs=max_graphs)
+        self.pad_batch = self.graphs.enabled if pad_batch is None else pad_batch
+        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
         # +1 column: the scratch position that padded tokens write to (see forward.py).
         self.pool = KVPool(num_layers=len(model.model.layers), num_slots=max_slots, max_len=max_len + 1,
                            kv_heads=fwd.local_kv_heads(model), head_dim=fwd.head_dim_of(model),
@@ -109,7 +134,9 @@ class ModelRunner:
 
     def forward(self, seq_ids: Sequence[int], extra: Sequence[Sequence[int]], num_logits: Sequence[int]
                 ) -> torch.Tensor:  # [B, max(num_logits), V] float; row b valid in [:num_logits[b]]
-        """Feed each row's uncached part of ``tokens + extra`` and return logits at its last n positions."""
+        """Feed each row's uncached part of ``tokens + extra`` and return logits at its last n positions.
+
+        From the static path the logits are a view of a fixed output buffer: valid until the next forward."""
         t0 = time.perf_counter()
         B = len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
@@ -134,19 +161,93 @@ class ModelRunner:
             state.cached.extend(feed)
             state.valid = len(state.tokens)
 
+        T = max(len(f) for f in feeds)
+        N = max(num_logits)
+        end = max(st + len(f) for st, f in zip(starts, feeds))
+        if self.static and T <= STATIC_MAX_TOKENS:
+            logits = self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end)
+        else:
+            logits = self._forward_dynamic(states, starts, feeds, num_logits, T, N, end)
+        self.tick += 1
+        self.stats.calls += 1
+        self.stats.tokens_fed += sum(len(f) for f in feeds)
+        self.stats.seconds += time.perf_counter() - t0
+        return logits
+
+    def record(self, *, calls: int, tokens_fed: int, seconds: float) -> None:
+        """Count forwards run outside ``forward`` (the draft's device loop) in the stats."""
+        self.tick += 1
+        self.stats.calls += calls
+        self.stats.tokens_fed += tokens_fed
+        self.stats.seconds += seconds
+
+    def kv_len_bucket(self, end: int) -> int:
+        """Keys read by a static step reaching position ``end``: a power of two ≥ ``kv_bucket``, so that a
+        sequence passes through few shapes (the mask hides the keys beyond each row's own length)."""
+        return min(self.max_len, max(self.kv_bucket, batch_bucket(end)))
+
+    def static_buffers(self, key: tuple, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                       ) -> dict[str, torch.Tensor]:
+        """The fixed device tensors of one static shape ``key`` (allocated on first use, then reused: a captured
+        graph reads exactly these)."""
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                                         for name, (shape, dtype) in shapes.items()}
+        return bufs
+
+    def upload(self, dst: torch.Tensor, rows: list) -> None:
+        """Copy host ``rows`` (a nested list) into the device buffer ``dst``, through pinned memory on CUDA."""
+        host = torch.tensor(rows, dtype=dst.dtype)
+        dst.copy_(host.pin_memory() if dst.device.type == "cuda" else host, non_blocking=True)
+
+    def _forward_static(self, slots: list[int], starts: list[int], feeds: list[list[int]], num_logits,
+                        T: int, N: int, end: int) -> torch.Tensor:  # [B, N, V]
+        B = len(slots)
+        Bb = batch_bucket(B) if self.pad_batch else B
+        kv_len = self.kv_len_bucket(end)
+        # Rows in slot order: when the slots are a run s0 … s0+B−1, attention reads the pool as a view (no
+        # gather of every layer's keys, which at batch 64 would copy ~1.7 GB per step for a 6.5B target).
+        # Padded rows then take the slots after the run (their writes go to the scratch column, their
+        # reads are discarded); the run's start is part of the shape key.
+        order = sorted(range(B), key=lambda b: slots[b])
+        ordered = [slots[b] for b in order]
+        run = ordered == list(range(ordered[0], ordered[0] + B)) and ordered[0] + Bb <= self.pool.num_slots
+        contiguous = ordered[0] if run else None
+        key = ("step", Bb, T, N, kv_len, contiguous)
+        bufs = self.static_buffers(key, {"inputs": ((Bb, 4 + T + N), torch.long)})
+        # One host tensor per step, one copy. Per row: [slot, start, length, output row, ids (T), logit
+        # columns (N)]; padded rows feed nothing (length 0: their writes go to the scratch column).
+        position = [0] * Bb
+        for i, b in enumerate(order):
+            position[b] = i
+        rows = [[slots[b], starts[b], len(feeds[b]), position[i], *feeds[b], *([0] * (T - len(feeds[b]))),
+                 *range(len(feeds[b]) - num_logits[b], len(feeds[b])), *([0] * (N - num_logits[b]))]
+                for i, b in enumerate(order)]
+        rows += [[(ordered[0] + i) if run else 0, 0, 0, i, *([0] * (T + N))] for i in range(B, Bb)]
+        self.upload(bufs["inputs"], rows)
+        inputs = bufs["inputs"]
+
+        def step():
+            logits = fwd.forward(self.model, self.pool, self.windows, inputs[:, 0], inputs[:, 1],
+                                 inputs[:, 4: 4 + T], inputs[:, 2], inputs[:, 4 + T:], kv_len, contiguous)
+            return logits.index_select(0, inputs[:, 3])  # back to the caller's row order
+
+        return self.graphs.run(key, step)[:B]
+
+    def _forward_dynamic(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]], num_logits,
+                         T: int, N: int, end: int) -> torch.Tensor:  # [B, N, V]
+        B = len(states)
         # Rows in slot order, so that a contiguous run of slots is read as a view instead of gathered.
         # Built from Python lists in one go: for batch-1 decoding this bookkeeping is a visible share of
         # a small model's step.
         order = sorted(range(B), key=lambda b: states[b].slot)
         slots = [states[b].slot for b in order]
-        T = max(len(f) for f in feeds)
-        N = max(num_logits)
         ids = torch.tensor([feeds[b] + [0] * (T - len(feeds[b])) for b in order], dtype=torch.long)
         logit_index = torch.tensor([list(range(len(feeds[b]) - num_logits[b], len(feeds[b])))
                                     + [0] * (N - num_logits[b]) for b in order], dtype=torch.long)
         start = torch.tensor([starts[b] for b in order], dtype=torch.long)
         lengths = torch.tensor([len(feeds[b]) for b in order], dtype=torch.long)
-        end = max(st + len(f) for st, f in zip(starts, feeds))
         kv_len = min(self.max_len, -(-end // self.kv_bucket) * self.kv_bucket)
         contiguous = slots[0] if slots[-1] - slots[0] == B - 1 else None
         dev = self.device
@@ -157,8 +258,4 @@ class ModelRunner:
             for i, b in enumerate(order):
                 inverse[b] = i
             logits = logits[torch.tensor(inverse, device=dev)]
-        self.tick += 1
-        self.stats.calls += 1
-        self.stats.tokens_fed += sum(len(f) for f in feeds)
-        self.stats.seconds += time.perf_counter() - t0
         return logits

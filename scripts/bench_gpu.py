@@ -14,21 +14,26 @@ draft; ε sets their greedy agreement), then measures, side by side in one run:
 - the HBM bandwidth (a large device-to-device copy; bytes read + written per second) and the floors it
   implies: target weight bytes / bandwidth = the least time of one target step, and the batch-1 tokens/s
   that allows;
-- plain decoding tokens/s at batch 1: this engine, and Hugging Face ``generate``;
+- plain decoding tokens/s at batch 1: this engine (ms per target step and its share of the floor), and
+  Hugging Face ``generate``;
+- a ``torch.profiler`` trace of batch-1 plain and speculative generation: GPU kernels and launches per
+  engine step and the GPU-busy share of the wall time (on the CPU: top-level aten ops per step instead);
 - per scenario (α ≈ 0.89 / 0.62 / 0.18, the reference article's JSON / code / prose; ε calibrated for each):
   speculative tokens/s at batch 1 (adaptive γ unless ``--gamma``), the acceptance rate, acceptance
   length, α, mean γ, the measured cost ratio c (one draft forward / one target step) and the Leviathan bound
-  S = (1−α^(γ+1)) / ((1−α)(γc+1)) at those values; HF ``generate(assistant_model=draft)``; and how many
-  speculative outputs are token-identical to plain decoding (in bf16, near-ties may differ);
+  S = (1−α^(γ+1)) / ((1−α)(γc+1)) at those values; HF ``generate(assistant_model=draft)`` and this engine's
+  tokens/s over it; and how many speculative outputs are token-identical to plain decoding (in bf16,
+  near-ties may differ);
 - a batch scan (1 … 64 sequences): plain, speculative, and speculative under the goodput guard
   (``engine/goodput.py``), median tokens/s of ``--repeats`` runs each;
 - the reference article's claimed 3.8× / 3.0× / 1.8× (docs/design.md#the-reference-article) beside the
   measured gains, with the cap 1/(1−α) that binds any draft (2.63× at α 0.62, 1.22× at α 0.18);
   ``--large`` (c ≤ 0.05) is the mode where that comparison is fairest.
 
-Prints a table and writes JSON (``--out``, default bench-out/bench_gpu.json). A CPU run is labelled
-"CPU tiny-scale run, not H200 figures": nothing here estimates GPU figures, it only measures where it
-runs. ``--budget-s`` bounds the run: parts that would start after it are listed under "skipped".
+The CUDA-graph counts of both runners and issue 14's acceptance criteria, checked against this run's
+figures, close the report. Prints a table and writes JSON (``--out``, default bench-out/bench_gpu.json).
+A CPU run is labelled "CPU tiny-scale run, not H200 figures": nothing here estimates GPU figures, it only
+measures where it runs. ``--budget-s`` bounds the run: parts that would start after it are listed under "skipped".
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--calib-tokens", type=int, default=32)
     ap.add_argument("--calib-trials", type=int, default=10)
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate measurements")
+    ap.add_argument("--profile-tokens", type=int, default=None,
+                    help="tokens generated under torch.profiler for kernels/step (default 24; tiny 6)")
     ap.add_argument("--budget-s", type=float, default=280.0, help="skip parts that would start after this")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on the tiny CPU run)")
     args = ap.parse_args(argv)
@@ -92,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.prompts = args.prompts or (2 if args.tiny else 4)
     args.max_tokens = args.max_tokens or (24 if args.tiny else 64)
     args.scan_tokens = args.scan_tokens or (16 if args.tiny else 32)
+    args.profile_tokens = args.profile_tokens or (6 if args.tiny else 24)
     if args.tiny:
         args.prompt_len = min(args.prompt_len, 16)
     args.batch_sizes = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -185,6 +193,57 @@ def hf_generate(model, prompts, max_tokens: int, assistant=None) -> dict:
     sync(device)
     seconds = time.perf_counter() - t0
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+
+
+# Top-level aten ops that only make a view (no kernel on a GPU): left out of the CPU's op count.
+VIEW_OPS = {f"aten::{n}" for n in ("view", "reshape", "_reshape_alias", "_unsafe_view", "split", "split_with_sizes",
+                                   "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand",
+                                   "expand_as", "as_strided", "alias", "detach", "chunk", "narrow", "unbind",
+                                   "lift_fresh", "empty", "empty_like", "result_type")}
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_steps(bench: "Bench", prompt: tuple[int, ...], tokens: int, speculate: bool) -> dict:
+    """One batch-1 generation under ``torch.profiler``: GPU kernels and launches per engine step, and the
+    share of the wall time the GPU was busy (union of kernel intervals). On the CPU there are no kernels:
+    the count is of top-level aten ops, a proxy for the launches a GPU would see."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bench.device.type == "cuda"
+    bench.run(bench.engine(speculate), [prompt], tokens, True)  # every shape seen (and captured) before
+    engine = bench.engine(speculate)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        sync(bench.device)
+        t0 = time.perf_counter()
+        out = bench.run(engine, [prompt], tokens, True)
+        sync(bench.device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    steps = max(out["stats"].steps, 1)
+    events = prof.events()
+    row = {"steps": steps, "tokens": out["tokens"], "wall_ms_per_step": round(wall_us / steps / 1e3, 4)}
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
+        launches = sum(1 for e in events if e.device_type == DeviceType.CPU and "Launch" in e.name)
+        row.update(kernels_per_step=round(len(kernels) / steps, 1), launches_per_step=round(launches / steps, 1),
+                   gpu_kernel_ms_per_step=round(busy / steps / 1e3, 4), gpu_busy_share=round(busy / wall_us, 4))
+    else:
+        ops = [e for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        compute = [e for e in ops if e.name not in VIEW_OPS]
+        row.update(cpu_aten_ops_per_step=round(len(ops) / steps, 1),
+                   cpu_compute_ops_per_step=round(len(compute) / steps, 1))
+    return row
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[tuple[int, ...]]:
@@ -300,6 +359,9 @@ def run(args) -> dict:
     if not args.no_hf:
         result["plain"]["hf_generate_tokens_per_s"] = round(hf_generate(target, prompts, args.max_tokens)
                                                             ["tokens_per_s"], 2)
+    log("[bench_gpu] profiling batch-1 steps")
+    result["profile"] = {"plain": profile_steps(bench, prompts[0], args.profile_tokens, False),
+                         "speculative": profile_steps(bench, prompts[0], args.profile_tokens, True)}
 
     result["scenarios"] = []
     epsilons: dict[str, float] = {}
@@ -332,11 +394,16 @@ def run(args) -> dict:
             hf_assist = hf_generate(target, prompts, args.max_tokens, assistant=draft)
             row.update(hf_plain_tokens_per_s=round(hf_plain["tokens_per_s"], 2),
                        hf_assisted_tokens_per_s=round(hf_assist["tokens_per_s"], 2),
-                       hf_assisted_speedup=round(hf_assist["tokens_per_s"] / hf_plain["tokens_per_s"], 3))
+                       hf_assisted_speedup=round(hf_assist["tokens_per_s"] / hf_plain["tokens_per_s"], 3),
+                       spec_over_hf_assisted=round(spec["tokens_per_s"] / hf_assist["tokens_per_s"], 3))
         result["scenarios"].append(row)
 
     result["batch_scan"] = batch_scan(args, bench, budget, epsilons, vocab, target)
     result["seed_comparison"] = seed_comparison(result["scenarios"])
+    result["graphs"] = {name: {"captured": r.graphs.captures, "replays": r.graphs.replays,
+                               "eager_static_runs": r.graphs.eager_runs, "enabled": r.graphs.enabled}
+                        for name, r in (("target", bench.verifier.runner), ("draft", bench.proposer.runner))}
+    result["acceptance"] = acceptance(result)
     result["elapsed_s"] = round(budget.elapsed, 1)
     result["skipped"] = budget.skipped
     return result
@@ -387,6 +454,34 @@ def seed_comparison(scenarios: list[dict]) -> list[dict]:
     return rows
 
 
+def acceptance(result: dict) -> list[dict]:
+    """Issue 14's acceptance criteria against this run's figures (meaningful on the H200 only)."""
+    rows = []
+
+    def check(what: str, value, limit, ok: bool | None) -> None:
+        rows.append({"criterion": what, "measured": value, "limit": limit, "ok": ok})
+
+    step = result["plain"]["engine_target_step_ms"]
+    check("plain target step at batch 1, ms (≤ 6.0; stretch ≤ 4.4)", step, 6.0, step <= 6.0)
+    for s in result["scenarios"]:
+        check(f"{s['name']}: draft forward at batch 1, ms (≤ 1.5)", s["draft_forward_ms"], 1.5,
+              s["draft_forward_ms"] <= 1.5)
+        check(f"{s['name']}: gain / Leviathan bound (≥ 0.85)", round(s["speedup"] / s["leviathan_bound"], 3), 0.85,
+              s["speedup"] >= 0.85 * s["leviathan_bound"])
+        if "spec_over_hf_assisted" in s:
+            check(f"{s['name']}: tokens/s over HF assisted (≥ 3)", s["spec_over_hf_assisted"], 3.0,
+                  s["spec_over_hf_assisted"] >= 3.0)
+    rows_scan = result["batch_scan"]["rows"]
+    for r in rows_scan:
+        best = max(r["spec_speedup"], r["spec_goodput_speedup"])
+        check(f"batch {r['batch']}: speculative / plain, median (≥ 0.97)", best, 0.97, best >= 0.97)
+    by_batch = {r["batch"]: r["plain_tokens_per_s"] for r in rows_scan}
+    if 1 in by_batch and 64 in by_batch:
+        ratio = round(by_batch[64] / by_batch[1], 2)
+        check("plain tokens/s batch 64 over batch 1 (≥ 8)", ratio, 8.0, ratio >= 8.0)
+    return rows
+
+
 # -- output ------------------------------------------------------------------------------------------------
 
 def table(result: dict) -> str:
@@ -400,6 +495,14 @@ def table(result: dict) -> str:
     hf = f", HF generate {p['hf_generate_tokens_per_s']} tok/s" if "hf_generate_tokens_per_s" in p else ""
     lines.append(f"plain: engine {p['engine_tokens_per_s']} tok/s ({p['engine_target_step_ms']} ms/step, "
                  f"{p['share_of_floor']:.0%} of floor){hf}")
+    for mode, prof in result.get("profile", {}).items():
+        if "kernels_per_step" in prof:
+            lines.append(f"profile {mode}: {prof['kernels_per_step']} kernels/step, {prof['launches_per_step']} "
+                         f"launches/step, GPU busy {prof['gpu_busy_share']:.0%} "
+                         f"({prof['gpu_kernel_ms_per_step']} ms kernels of {prof['wall_ms_per_step']} ms/step)")
+        else:
+            lines.append(f"profile {mode}: {prof['cpu_aten_ops_per_step']} top-level aten ops/step (CPU), "
+                         f"{prof['cpu_compute_ops_per_step']} of them not views, {prof['wall_ms_per_step']} ms/step")
     head = (f"{'scenario':8} {'α want':>6} {'ε':>8} {'α':>6} {'acc':>5} {'len':>5} {'γ':>5} {'c':>6} "
             f"{'plain':>9} {'spec':>9} {'gain':>6} {'bound':>6} {'HF asst':>8} {'ident':>6}")
     lines += ["", head, "-" * len(head)]
@@ -428,6 +531,13 @@ def table(result: dict) -> str:
             lines.append(f"  {r['name']:6} α {r['alpha']:.2f}: claimed {r['seed_claim']:.1f}×, cap "
                          f"{r['cap_1_over_1_minus_alpha']:.2f}×{note}; measured {r['measured_speedup']:.2f}×, "
                          f"bound at measured α/γ/c {r['leviathan_bound_measured']:.2f}×")
+    g = result.get("graphs", {})
+    if g:
+        lines.append("CUDA graphs: " + "; ".join(f"{k} {v['captured']} captured, {v['replays']} replays, "
+                                                 f"{v['eager_static_runs']} eager" for k, v in g.items()))
+    if result.get("acceptance") and result["device"]["type"] == "cuda":
+        lines += ["", "issue 14 acceptance (this run):"]
+        lines += [f"  {'ok  ' if r['ok'] else 'FAIL'} {r['criterion']}: {r['measured']}" for r in result["acceptance"]]
     if result["skipped"]:
         lines.append(f"skipped (budget {result['settings']['budget_s']} s): {', '.join(result['skipped'])}")
     lines.append(f"elapsed {result['elapsed_s']} s; imports of {', '.join(FORBIDDEN)}: "
@@ -440,7 +550,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    loaded = sorted(m for m in FORBIDDEN if m in sys.modules)
+    loaded = sorted(m for m in FORBIDDEN if sys.modules.get(m) is not None)  # None: blocked, not loaded
     result["import_check"] = {"forbidden": list(FORBIDDEN), "loaded": loaded}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

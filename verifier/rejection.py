@@ -15,7 +15,9 @@ It changes the output distribution and exists only behind an explicit config opt
 
 Categorical draws use the exponential-race trick: argmax_v(w_v / E_v) with E_v ~ Exp(1) samples v with
 probability ∝ w_v. The caller supplies the noise, so the function is deterministic given its inputs and
-the noise can come from per-sequence generators (reproducible sampling whatever the batch).
+the noise comes from counter-based per-sequence streams (``runtime.rng``: reproducible whatever the batch,
+and computed on the device). Every function here is tensor ops only, with no read back to the host, so the
+verify step runs it where the logits are.
 """
 
 from __future__ import annotations
@@ -79,6 +81,30 @@ def rejection_sample(
     output = torch.full((B, G + 1), PAD, dtype=torch.long, device=device)
     output[:, :G] = torch.where(positions < num_accepted.unsqueeze(1), safe_tokens, PAD)
     output[row, num_accepted] = next_token
+    return output, num_accepted
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,  # [B, G] int64 (values beyond num_draft ignored)
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= G
+    target_argmax: torch.Tensor,  # [B, G+1] int64, the target's argmax at every draft position plus one more
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for greedy rows, where p and q are one-hot: the same outputs (tested against it),
+    computed from the target's argmaxes alone, so a greedy step needs no softmax over the vocabulary.
+
+    With one-hot p and q, u·q < p holds exactly when d_i is the argmax, and both the residual at the first
+    mismatch and the bonus distribution are one-hot on the argmax.
+    """
+    B, G = draft_tokens.shape
+    device = draft_tokens.device
+    positions = torch.arange(G, device=device).unsqueeze(0)  # [1, G]
+    valid = positions < num_draft.unsqueeze(1)
+    accepted = (draft_tokens == target_argmax[:, :G]) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    row = torch.arange(B, device=device)
+    output = torch.full((B, G + 1), PAD, dtype=torch.long, device=device)
+    output[:, :G] = torch.where(positions < num_accepted.unsqueeze(1), draft_tokens, PAD)
+    output[row, num_accepted] = target_argmax[row, num_accepted]
     return output, num_accepted
 
 

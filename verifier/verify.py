@@ -16,13 +16,12 @@ from typing import Sequence
 
 import torch
 
+from runtime import rng
+from runtime.host_copy import fetch, to_device
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
-from verifier.rejection import adjust_threshold, rejection_sample, threshold_accept
-from runtime.rng import row_generator
 from runtime.runner import ModelRunner
 from runtime.sampling import sampling_tensors, warp_probs
-
-VERIFY_STREAM = 0
+from verifier.rejection import adjust_threshold, greedy_accept, rejection_sample, threshold_accept
 
 
 @dataclass
@@ -33,13 +32,15 @@ class AcceptanceConfig:
     target_rate: float = 0.7
 
 
-def densify_q(proposal: ProposalBatch, rows: Sequence[int], vocab: int) -> torch.Tensor | None:
-    """Sparse q of the selected proposal rows → dense [len(rows), G, V]; None for all-greedy proposals."""
+def densify_q(proposal: ProposalBatch, rows: Sequence[int], vocab: int, device: torch.device | str = "cpu"
+              ) -> torch.Tensor | None:  # [len(rows), G, V] float32 on ``device``
+    """Sparse q of the selected proposal rows → dense, built on ``device``; None for all-greedy proposals."""
     if proposal.q_ids is None:
         return None
-    ids = proposal.q_ids[list(rows)]
-    probs = proposal.q_probs[list(rows)].float()
-    dense = torch.zeros((*ids.shape[:2], vocab), dtype=torch.float32)
+    index = torch.tensor(list(rows), dtype=torch.long)
+    ids = to_device(proposal.q_ids[index], device)
+    probs = to_device(proposal.q_probs[index].float(), device)
+    dense = torch.zeros((*ids.shape[:2], vocab), dtype=torch.float32, device=device)
     return dense.scatter_add_(-1, ids, probs)
 
 
@@ -71,56 +72,61 @@ class VerifyStage:
             drafts.append(proposal.row_tokens(b) if b is not None else [])
         G = max(len(d) for d in drafts)
         logits = self.runner.forward([it.sync.seq_id for it in live], drafts, [len(d) + 1 for d in drafts])
-        logits = logits[:, : G + 1]  # [B, G+1, V]
-
-        temperature, top_k, top_p = sampling_tensors([it.sampling for it in live], logits.device)
-        target_probs = warp_probs(logits, temperature, top_k, top_p)
-        B, V = len(live), logits.shape[-1]
-        draft_tokens = torch.zeros((B, G), dtype=torch.long)
-        num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-        for b, d in enumerate(drafts):
-            draft_tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        uniform, noise = self._randomness(live, [len(d) for d in drafts], G, V)
-
-        if self.acceptance.mode == "threshold":
-            output, accepted = threshold_accept(draft_tokens, num_draft, target_probs.cpu(),
-                                                torch.full((B,), self.threshold), noise)
-        else:
-            rows = [prop_row.get(it.sync.seq_id, 0) for it in live]
-            q = densify_q(proposal, rows, V) if G else None
-            if q is not None:
-                q = q[:, :G]
-            output, accepted = rejection_sample(draft_tokens, num_draft, target_probs.cpu(), q, uniform, noise)
+        output, accepted = self._accept(live, drafts, [prop_row.get(it.sync.seq_id, 0) for it in live],
+                                        proposal, logits[:, : G + 1])
+        # The step's one read back: emitted tokens and counts, O(B·γ) integers.
+        output, accepted = fetch(output, accepted)
+        output, accepted = output.tolist(), accepted.tolist()
 
         index = {s: i for i, s in enumerate(outcome.seq_ids)}
         for b, it in enumerate(live):
-            n = int(accepted[b])
-            emitted = output[b, : n + 1].tolist()
+            n = accepted[b]
+            emitted = output[b][: n + 1]
             i = index[it.sync.seq_id]
             outcome.emitted[i] = emitted
             outcome.num_accepted[i] = n
             outcome.num_proposed[i] = len(drafts[b])
             self.runner.seqs[it.sync.seq_id].tokens.extend(emitted)
-        if self.acceptance.mode == "threshold" and self.acceptance.dynamic_adjust and int(num_draft.sum()):
-            rate = float(accepted.sum()) / float(num_draft.sum())
+        proposed = sum(len(d) for d in drafts)
+        if self.acceptance.mode == "threshold" and self.acceptance.dynamic_adjust and proposed:
+            rate = sum(accepted) / proposed
             self.threshold = adjust_threshold(self.threshold, rate, self.acceptance.target_rate)
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
 
-    def _randomness(self, live: Sequence[VerifyItem], num_draft: Sequence[int], G: int, V: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row coins [B, G] and Exp(1) noise [B, V], each row from its own (seed, position) stream.
+    def _accept(self, live: Sequence[VerifyItem], drafts: list[list[int]], prop_rows: list[int],
+                proposal: ProposalBatch, logits: torch.Tensor,  # [B, G+1, V] on the runner's device
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # output [B, G+1], accepted [B], on the device
+        """The acceptance rule where the logits are: nothing of size V leaves the device.
 
-        A row draws exactly its own ``num_draft`` coins, after its noise: drawing the batch's padded G
-        would shift the noise with the other rows' draft lengths and break reproducibility.
+        All-greedy batches compare argmaxes (``greedy_accept``: no softmax over the vocabulary). Otherwise p is
+        warped on the device and the rule draws its coins and its noise from each row's counter-based stream
+        (``runtime.rng``), keyed by (seed, committed length): the same draws whatever the batch or device.
         """
-        uniform = torch.zeros((len(live), G))
-        noise = torch.ones((len(live), V))
-        for b, (it, n) in enumerate(zip(live, num_draft)):
-            if it.sampling.greedy:
-                continue  # one-hot p and q: coins and noise cannot change the outcome
-            gen = row_generator(it.sampling.seed or 0, len(self.runner.seqs[it.sync.seq_id].tokens),
-                                VERIFY_STREAM)
-            noise[b] = torch.empty(V).exponential_(generator=gen)
-            uniform[b, :n] = torch.rand(n, generator=gen)
-        return uniform, noise
+        B, G = len(live), logits.shape[1] - 1
+        dev = logits.device
+        lengths = [len(d) for d in drafts]
+        draft_rows = torch.tensor([d + [0] * (G - len(d)) + [n] for d, n in zip(drafts, lengths)],
+                                  dtype=torch.long).view(B, G + 1)
+        draft_rows = to_device(draft_rows, dev)
+        draft_tokens, num_draft = draft_rows[:, :G], draft_rows[:, G]
+        params = [it.sampling for it in live]
+        threshold = self.acceptance.mode == "threshold"
+        if all(s.greedy for s in params) and not threshold:
+            return greedy_accept(draft_tokens, num_draft, logits.argmax(-1))
+        temperature, top_k, top_p = sampling_tensors(params, dev)
+        truncate = any(not s.greedy and (0 < s.top_k < self.vocab_size or s.top_p < 1) for s in params)
+        target_probs = warp_probs(logits, temperature, top_k, top_p, truncate=truncate)
+        seeds = [s.seed for s in params]
+        positions = [len(self.runner.seqs[it.sync.seq_id].tokens) for it in live]
+        vocab = torch.arange(logits.shape[-1], device=dev)
+        noise = rng.exponential(rng.stream_keys(seeds, positions, rng.VERIFY_NOISE, dev).unsqueeze(1), vocab)
+        if threshold:
+            return threshold_accept(draft_tokens, num_draft, target_probs,
+                                    torch.full((B,), self.threshold, device=dev), noise)
+        uniform = rng.uniform(rng.stream_keys(seeds, positions, rng.VERIFY_COIN, dev).unsqueeze(1),
+                              torch.arange(G, device=dev))
+        q = densify_q(proposal, prop_rows, logits.shape[-1], dev) if G else None
+        if q is not None:
+            q = q[:, :G]
+        return rejection_sample(draft_tokens, num_draft, target_probs, q, uniform, noise)

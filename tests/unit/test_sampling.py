@@ -12,7 +12,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from runtime.protocol import GREEDY, SamplingParams
-from runtime.rng import row_generator
+from runtime import rng
 from runtime.sampling import sampling_tensors, warp_probs
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,12 +110,14 @@ def test_greedy_property():
     assert not SamplingParams(temperature=0.1).greedy
 
 
-def test_row_generator_streams():
+def test_stream_keys_separate_seed_position_and_stream():
     """Draws depend only on (seed, position, stream): reproducible, and distinct across each of them."""
-    def draw(*key):
-        return torch.rand(8, generator=row_generator(*key))
+    def draw(seed, position, stream):
+        return rng.uniform(rng.stream_keys([seed], [position], stream).unsqueeze(1), torch.arange(8))[0]
 
     assert torch.equal(draw(5, 10, 0), draw(5, 10, 0))
-    others = [draw(6, 10, 0), draw(5, 11, 0), draw(5, 10, 1), draw(0, 0, 0)]
+    others = [draw(6, 10, 0), draw(5, 11, 0), draw(5, 10, 1), draw(0, 0, 0), draw(5 + 2**32, 10, 0),
+              draw(5, 10 + 2**32, 0)]
     assert all(not torch.equal(draw(5, 10, 0), o) for o in others)
-    draw(2**62, 2**20, 1)  # large seeds fit the generator
+    draw(2**64 - 1, 2**40, 1)  # any 64-bit seed and a long position fit
+    assert torch.equal(draw(None, 3, 1), draw(0, 3, 1))
