@@ -36,8 +36,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from cluster.model_files import (ModelFileError, check_draft_matches, check_tensor_parallel, inspect_model,
-                                 is_local_model)
+from cluster import defaults as D
+from cluster.model_files import ModelFileError, check_pair
 from cluster.secret_files import SecretFileError, read_secret_file
 
 log = logging.getLogger("specserve.config")
@@ -85,9 +85,9 @@ class TargetSpec(_Spec):
         description="The target: a local Hugging Face model folder, a .gguf file (or a folder holding one), or "
         f"{BUILTIN_TINY!r} for the tiny test model built from config in code (no files, no downloads).",
     )
-    dtype: Dtype = Field("auto", description="Target weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
+    dtype: Dtype = Field(D.DTYPE, description="Target weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
     max_model_len: int = Field(
-        1024, ge=2, description="Longest sequence served (prompt + generated tokens); sizes the KV slots."
+        D.MAX_MODEL_LEN, ge=2, description="Longest sequence served (prompt + generated tokens); sizes the KV slots."
     )
     tensor_parallel: int = Field(
         1,
@@ -96,7 +96,7 @@ class TargetSpec(_Spec):
         "and key/value heads.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where the target runs; 'auto' = CUDA when the verifier rank sees a GPU."
+        D.DEVICE, description="Where the target runs; 'auto' = CUDA when the verifier rank sees a GPU."
     )
 
     @field_validator("path")
@@ -117,9 +117,9 @@ class DraftSpec(_Spec):
         description="The draft model: a local Hugging Face folder, a .gguf file (or a folder holding one), or "
         f"{BUILTIN_TINY!r}; required iff kind is 'model'. It must share the target's tokenizer.",
     )
-    dtype: Dtype = Field("auto", description="Draft weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
-    ngram_max: int = Field(4, ge=1, le=64, description="Longest suffix n-gram looked up (kind 'ngram').")
-    ngram_min: int = Field(1, ge=1, le=64, description="Shortest suffix n-gram looked up (kind 'ngram').")
+    dtype: Dtype = Field(D.DTYPE, description="Draft weights dtype; 'auto' = float32 on CPU, bfloat16 on GPU.")
+    ngram_max: int = Field(D.NGRAM_MAX, ge=1, le=64, description="Longest suffix n-gram looked up (kind 'ngram').")
+    ngram_min: int = Field(D.NGRAM_MIN, ge=1, le=64, description="Shortest suffix n-gram looked up (kind 'ngram').")
 
     @field_validator("path")
     @classmethod
@@ -138,18 +138,18 @@ class DraftSpec(_Spec):
 
 
 class SpeculationSpec(_Spec):
-    gamma: int = Field(4, ge=1, le=GAMMA_HARD_CAP, description="Draft tokens per proposal at start (γ).")
-    gamma_min: int = Field(1, ge=1, le=GAMMA_HARD_CAP, description="Smallest γ adaptive speculation may use.")
+    gamma: int = Field(D.GAMMA, ge=1, le=GAMMA_HARD_CAP, description="Draft tokens per proposal at start (γ).")
+    gamma_min: int = Field(D.GAMMA_MIN, ge=1, le=GAMMA_HARD_CAP, description="Smallest γ adaptive speculation may use.")
     gamma_max: int = Field(
-        8,
+        D.GAMMA_MAX,
         ge=1,
         le=GAMMA_HARD_CAP,
         description="Largest γ adaptive speculation may use; also the wire format's chain cap "
         f"(≤ {GAMMA_HARD_CAP}).",
     )
-    adaptive: bool = Field(True, description="Adapt γ per sequence within [gamma_min, gamma_max] from its acceptance.")
+    adaptive: bool = Field(D.ADAPTIVE, description="Adapt γ per sequence within [gamma_min, gamma_max] from its acceptance.")
     confidence_threshold: float = Field(
-        0.0,
+        D.CONFIDENCE_THRESHOLD,
         ge=0.0,
         lt=1.0,
         description="Stop a chain early when the draft's top probability falls below this (0 = never). "
@@ -177,13 +177,13 @@ class SpeculationSpec(_Spec):
         0.7, gt=0.0, lt=1.0, description="Acceptance rate dynamic_adjust steers the threshold toward."
     )
     q_top_k: int = Field(
-        64,
+        D.Q_TOP_K,
         ge=1,
         description="Support size K of the proposal distribution q sent with sampled drafts; the draft "
         "samples from its top-K-truncated distribution, so verification stays exact.",
     )
     goodput_guard: bool = Field(
-        False,
+        D.GOODPUT_GUARD,
         description="Measure committed tokens per second of speculative and of plain steps per batch-size "
         "bucket (plain probes every few steps) and decode plainly where speculation does not pay. Exact "
         "either way: plain steps are verify steps without drafts. Off by default: its probes cost batch-1 "
@@ -328,7 +328,7 @@ class VerifierSpec(_Spec):
 
 class RouterSpec(_Spec):
     max_running: int = Field(
-        64, ge=1, le=MAX_BATCH_CAP, description="Most sequences decoding at once (holding KV slots)."
+        D.MAX_RUNNING, ge=1, le=MAX_BATCH_CAP, description="Most sequences decoding at once (holding KV slots)."
     )
     stages: Literal["remote", "local"] = Field(
         "remote",
@@ -367,6 +367,10 @@ class RouterSpec(_Spec):
     health_timeout_s: float = Field(
         2.0, gt=0, le=60, description="Longest /health and the /debug routes wait for the router before "
         "answering 503."
+    )
+    fidelity_sample_rate: float = Field(
+        0.0, ge=0, le=1, description="Share of finished greedy requests re-decoded without speculation, off the "
+        "hot path, to check that the output is the same (engine/fidelity.py; 0 = off)."
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per router replica (Ray resource).")
 
@@ -502,7 +506,7 @@ class DefaultsSpec(_Spec):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for requests that set none (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass for requests that set none.")
     top_k: int = Field(0, ge=0, description="Top-k for requests that set none (0 = off).")
-    max_tokens: int = Field(256, ge=1, description="Tokens generated for requests that set no max_tokens.")
+    max_tokens: int = Field(D.MAX_TOKENS, ge=1, description="Tokens generated for requests that set no max_tokens.")
 
 
 class ClusterBudget(_Spec):
@@ -641,18 +645,11 @@ class ClusterConfig(_Spec):
     # ---- model folders -------------------------------------------------------------------------
 
     def validate_models(self) -> None:
-        """Check the local model paths with ``cluster.model_files`` (the check model loading runs too).
-
-        The target's family and heads (against tensor parallelism), and the draft's tokenizer against the
-        target's; raises ``ConfigError`` naming ``target.path``, ``target.tensor_parallel`` or ``draft.path``.
-        """
-        if not is_local_model(self.target.path):
-            return
+        """Check the local model paths with ``cluster.model_files.check_pair`` (engine assembly runs it too);
+        raises ``ConfigError`` naming ``target.path``, ``target.tensor_parallel`` or ``draft.path``."""
         try:
-            target = inspect_model(self.target.path, "target.path")
-            check_tensor_parallel(target, self.target.tensor_parallel)
-            if self.draft.kind == "model" and is_local_model(self.draft.path or ""):
-                check_draft_matches(target, inspect_model(self.draft.path or "", "draft.path"))
+            check_pair(self.target.path, self.draft.path if self.draft.kind == "model" else None,
+                       tensor_parallel=self.target.tensor_parallel)
         except ModelFileError as e:
             raise ConfigError(str(e)) from None
 

@@ -34,6 +34,21 @@ RUNNING_SEQUENCES = "specserve_running_sequences"
 QUEUE_DEPTH = "specserve_queue_depth"
 ACCEPTANCE_RATE = "specserve_acceptance_rate"
 KV_SLOTS_IN_USE = "specserve_kv_slots_in_use"
+KV_SLOTS_CAPACITY = "specserve_kv_slots_capacity"
+REJECTIONS = "specserve_rejections"
+STAGE_SECONDS = "specserve_stage_seconds"
+STEPS = "specserve_steps"
+STEP_SECONDS = "specserve_step_seconds"
+STEP_TOKENS = "specserve_step_tokens"
+TTFT = "specserve_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "specserve_inter_token_latency_seconds"
+REQUEST_LATENCY = "specserve_request_latency_seconds"
+GPU_UTILIZATION = "specserve_gpu_utilization_ratio"
+GPU_MEMORY_USED = "specserve_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL = "specserve_gpu_memory_total_bytes"
+GPU_SM_CLOCK = "specserve_gpu_sm_clock_hertz"
+FIDELITY_CHECKS = "specserve_fidelity_checks"
+FIDELITY_FIRST_DIFFERENCE = "specserve_fidelity_first_difference_position"
 
 # Allowed tag values.
 STAGES = ("draft", "verify", "transport", "schedule")
@@ -43,6 +58,12 @@ CANCEL_PHASES = ("queued", "running")
 KV_MODELS = ("target", "draft")
 # Tag values of the *_BY_POSITION counters: "0" … "15" (the γ hard cap is 16; Ray tag values are strings).
 POSITIONS = tuple(str(i) for i in range(16))
+# Tag values of STEPS / STEP_SECONDS / STEP_TOKENS: a step is speculative when it verified a draft token.
+STEP_MODES = ("speculative", "plain")
+# Batch-size buckets (engine.goodput.batch_bucket: the next power of two of the step's rows) as tag values.
+BATCH_BUCKETS = tuple(str(1 << i) for i in range(17))  # 1 … 65536 (config.MAX_BATCH_CAP)
+COMPUTE_STAGES = ("draft", "verify")
+FIDELITY_RESULTS = ("match", "mismatch")
 
 # Seconds. A verify step of a 6–8B target on an H200 is ~3 ms and a compiled-graph hop ~0.1 ms, so
 # the buckets are dense between 50 µs and 50 ms and coarse up to the slowest CPU steps.
@@ -50,6 +71,18 @@ STEP_LATENCY_BOUNDARIES = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075,
     0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
+
+# Seconds per request: first tokens arrive within ~10 ms on a GPU and within seconds on this CPU box;
+# whole requests take up to the request timeout (default 120 s).
+REQUEST_LATENCY_BOUNDARIES = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+# Seconds between consecutive token deliveries of one request (one step, or a step's several tokens).
+INTER_TOKEN_BOUNDARIES = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Generated-token index of the first difference; position 0 falls in the first bucket (le 1).
+FIRST_DIFFERENCE_BOUNDARIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 @dataclass(frozen=True)
@@ -130,5 +163,90 @@ METRICS: dict[str, MetricSpec] = {
             "Preallocated KV-cache slots holding a sequence, per model.",
             tag_keys=("model",),
         ),
+        MetricSpec(
+            KV_SLOTS_CAPACITY,
+            "gauge",
+            "Preallocated KV-cache slots in all, per model (the denominator of KV occupancy).",
+            tag_keys=("model",),
+        ),
+        MetricSpec(
+            REJECTIONS,
+            "counter",
+            "Drafts whose verify step ended at a rejected draft token; alpha = accepted / (accepted + "
+            "rejections), the per-token acceptance of the Leviathan model.",
+        ),
+        MetricSpec(
+            STAGE_SECONDS,
+            "counter",
+            "Compute seconds the stages report for the router's steps: draft (all proposer forwards of "
+            "a step) and verify (one target forward + acceptance). draft / (verify * mean gamma) is the "
+            "cost ratio c of one draft forward to one target forward.",
+            tag_keys=("stage",),
+        ),
+        MetricSpec(
+            STEPS,
+            "counter",
+            "Batched verify steps by mode: speculative (verified at least one draft token) or plain "
+            "(target-only: goodput probe, fallback or gamma 0), by batch-size bucket.",
+            tag_keys=("mode", "batch"),
+        ),
+        MetricSpec(
+            STEP_SECONDS,
+            "counter",
+            "Wall seconds of batched steps by mode and batch-size bucket; with the step tokens it gives "
+            "the measured goodput of speculative and of plain steps.",
+            tag_keys=("mode", "batch"),
+        ),
+        MetricSpec(
+            STEP_TOKENS,
+            "counter",
+            "Tokens committed by batched steps by mode and batch-size bucket.",
+            tag_keys=("mode", "batch"),
+        ),
+        MetricSpec(
+            TTFT,
+            "histogram",
+            "Seconds from admission to the first generated token of a request.",
+            boundaries=REQUEST_LATENCY_BOUNDARIES,
+        ),
+        MetricSpec(
+            INTER_TOKEN_LATENCY,
+            "histogram",
+            "Seconds between consecutive token deliveries of one request, one observation per token "
+            "(a step that delivers k tokens counts its gap once and k - 1 zero gaps).",
+            boundaries=INTER_TOKEN_BOUNDARIES,
+        ),
+        MetricSpec(
+            REQUEST_LATENCY,
+            "histogram",
+            "Seconds from admission to the last event of a request, by final status.",
+            tag_keys=("status",),
+            boundaries=REQUEST_LATENCY_BOUNDARIES,
+        ),
+        MetricSpec(
+            GPU_UTILIZATION,
+            "gauge",
+            "NVML GPU utilisation (0-1) over its last sample period, per device of the replica's node. "
+            "Not exported where NVML or a GPU is absent.",
+            tag_keys=("gpu",),
+        ),
+        MetricSpec(GPU_MEMORY_USED, "gauge", "NVML device memory in use, bytes.", tag_keys=("gpu",)),
+        MetricSpec(GPU_MEMORY_TOTAL, "gauge", "NVML device memory in all, bytes.", tag_keys=("gpu",)),
+        MetricSpec(GPU_SM_CLOCK, "gauge", "NVML SM clock, hertz.", tag_keys=("gpu",)),
+        MetricSpec(
+            FIDELITY_CHECKS,
+            "counter",
+            "Sampled finished greedy requests re-decoded without speculation, by whether the plain "
+            "output matched the served one (router.fidelity_sample_rate).",
+            tag_keys=("result",),
+        ),
+        MetricSpec(
+            FIDELITY_FIRST_DIFFERENCE,
+            "histogram",
+            "Generated-token index of the first difference of a fidelity mismatch.",
+            boundaries=FIRST_DIFFERENCE_BOUNDARIES,
+        ),
     )
 }
+
+GPU_METRICS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_SM_CLOCK)

@@ -101,6 +101,19 @@ def check_tensor_parallel(info: ModelInfo, tp: int, where: str = "target.tensor_
                 f"{where} ({tp}) must divide the target's {name} ({n}): each rank holds whole heads")
 
 
+def check_pair(target: str, draft: str | None, *, tensor_parallel: int = 1,
+               where: tuple[str, str] = ("target.path", "draft.path")) -> None:
+    """The model-folder rules that config validation and engine assembly both apply: a supported target
+    whose heads split over ``tensor_parallel`` ranks and, when the draft is a local model too, a draft whose
+    token ids mean the target's. Builtin and absent paths are left to model loading."""
+    if not is_local_model(target):
+        return
+    info = inspect_model(target, where[0])
+    check_tensor_parallel(info, tensor_parallel)
+    if draft is not None and is_local_model(draft):
+        check_draft_matches(info, inspect_model(draft, where[1]), where[1])
+
+
 def check_draft_matches(target: ModelInfo, draft: ModelInfo, where: str = "draft.path") -> None:
     """The draft's token ids must mean the target's tokens, and name only ids the target has a row for.
 

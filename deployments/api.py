@@ -6,14 +6,21 @@
     async for chunk in handle.options(stream=True).generate_stream.remote(GenerateRequest(...)):
         ...  # GenerateChunk
 
-Validation lives here (``GenerateRequest.validate``) so the HTTP ingress and handle callers get the same
-checks and the same messages; a bad request raises ``InvalidRequest`` naming the parameter.
+Validation lives here (``GenerateRequest.validate``: pydantic checks the field annotations) so the HTTP
+ingress and handle callers get the same checks and the same messages; a bad request raises
+``InvalidRequest`` naming the parameter.
 """
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before Python 3.12
+
+from pydantic import (ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter,
+                      ValidationError, with_config)
 
 
 class InvalidRequest(ValueError):
@@ -48,98 +55,90 @@ class RequestTimedOut(GenerationFailed):
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 1024
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+@with_config(ConfigDict(extra="forbid", strict=True))
+class Message(TypedDict):
+    """A chat message as the target's chat template gets it."""
+
+    role: Role
+    content: str
+    name: NotRequired[str]
+
+
+def _range(kind, lo, hi):
+    return Annotated[kind, Field(ge=lo, le=hi)] | None
 
 
 @dataclass
 class GenerateRequest:
-    prompt: str | None = None  # text, tokenized by the router with the target's tokenizer
-    prompt_token_ids: list[int] | None = None  # or token ids directly
-    messages: list[dict] | None = None  # or a chat: [{"role", "content": str}], rendered by the chat template
-    max_tokens: int | None = None  # None: the config's default
-    temperature: float | None = None  # None: the config's default; 0 = greedy
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None  # text, tokenized with the target's tokenizer
+    prompt_token_ids: Annotated[list[StrictInt], Strict(), Field(min_length=1)] | None = None  # or token ids
+    messages: Annotated[list[Message], Strict(), Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    max_tokens: _range(StrictInt, 1, 1 << 20) = None  # None: the config's default
+    temperature: _range(StrictFloat, 0.0, 2.0) = None  # None: the config's default; 0 = greedy
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: _range(StrictInt, 0, 1 << 20) = None
+    seed: _range(StrictInt, -(1 << 63), (1 << 63) - 1) = None
+    stop: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]], Strict(),
+                    Field(max_length=MAX_STOP_STRINGS)] = field(default_factory=list)
+    ignore_eos: StrictBool = False
 
     def validate(self, *, vocab_size: int, has_tokenizer: bool) -> None:
+        """The field annotations (types, ranges, message shapes), then what depends on the deployment."""
         given = [self.prompt is not None, self.prompt_token_ids is not None, self.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("give exactly one of prompt, prompt_token_ids and messages",
                                  "messages" if self.messages is not None else "prompt")
-        if self.messages is not None:
-            _check_messages(self.messages, has_tokenizer)
-        elif self.prompt is not None:
-            if not isinstance(self.prompt, str):
-                raise InvalidRequest("prompt must be a string", "prompt")
-            if not has_tokenizer:
-                raise InvalidRequest("this deployment has no tokenizer: send prompt_token_ids", "prompt")
-            if not self.prompt:
-                raise InvalidRequest("prompt must not be empty", "prompt")
+        try:
+            _FIELDS.validate_python(vars(self))
+        except ValidationError as err:
+            raise invalid(err) from None
+        if self.prompt_token_ids is not None and not 0 <= min(self.prompt_token_ids) <= max(
+                self.prompt_token_ids) < vocab_size:
+            raise InvalidRequest(f"prompt_token_ids must be integers in [0, {vocab_size})", "prompt_token_ids")
+        if not has_tokenizer and self.prompt is not None:
+            raise InvalidRequest("this deployment has no tokenizer: send prompt_token_ids", "prompt")
+        if not has_tokenizer and self.messages is not None:
+            raise InvalidRequest("this deployment has no tokenizer, so no chat template: send prompt_token_ids",
+                                 "messages")
+
+
+_FIELDS = TypeAdapter(GenerateRequest)
+
+
+def invalid(err: ValidationError) -> InvalidRequest:
+    """Pydantic's first complaint → ``InvalidRequest`` whose ``param`` is what the caller can act on: a
+    top-level field, a stream option, or one message's field (``messages[0].role``); the message gives
+    the full path."""
+    first = err.errors(include_url=False)[0]
+    loc = first["loc"]
+    where = field_path(loc)
+    param = field_path(loc[:{"messages": 3, "stream_options": 2}.get(loc[0], 1)] if loc else ())
+    if first["type"] == "extra_forbidden":
+        return InvalidRequest(f"unrecognized request argument supplied: {where}", param)
+    if first["type"] == "missing":
+        return InvalidRequest(f"{where} is required", param)
+    msg = first["msg"]
+    return InvalidRequest(f"{where}: {msg[:1].lower()}{msg[1:]} (got {show(first.get('input'))})", param)
+
+
+def field_path(loc) -> str | None:
+    """("messages", 0, "content") → "messages[0].content" (a name's surrogates shown as "?")."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
         else:
-            ids = self.prompt_token_ids
-            if not isinstance(ids, list) or not ids:
-                raise InvalidRequest("prompt_token_ids must be a non-empty list of integers", "prompt_token_ids")
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-                raise InvalidRequest(f"prompt_token_ids must be integers in [0, {vocab_size})", "prompt_token_ids")
-        _check_int(self.max_tokens, "max_tokens", 1, 1 << 20)
-        _check_number(self.temperature, "temperature", 0.0, 2.0)
-        if self.top_p is not None:
-            _check_number(self.top_p, "top_p", 0.0, 1.0)
-            if self.top_p <= 0:
-                raise InvalidRequest("top_p must be in (0, 1]", "top_p")
-        _check_int(self.top_k, "top_k", 0, 1 << 20)
-        _check_int(self.seed, "seed", -(1 << 63), (1 << 63) - 1)
-        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop must be a list of at most {MAX_STOP_STRINGS} strings", "stop")
-        for s in self.stop:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
-                raise InvalidRequest(f"each stop string must be a non-empty string of at most {MAX_STOP_LENGTH} "
-                                     "characters", "stop")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest("ignore_eos must be a boolean", "ignore_eos")
+            out += ("." if out else "") + part.encode("utf-8", "replace").decode()
+    return out or None
 
 
-def _check_messages(messages, has_tokenizer: bool) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"{where} must be an object with role and content", where)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                                 f"{where}.role")
-        if not isinstance(m.get("content"), str):
-            raise InvalidRequest(f"{where}.content must be a string", f"{where}.content")
-        unknown = sorted(set(m) - {"role", "content", "name"})
-        if unknown:
-            raise InvalidRequest(f"{where} has unsupported field {unknown[0]!r}", f"{where}.{unknown[0]}")
-        if "name" in m and not isinstance(m["name"], str):
-            raise InvalidRequest(f"{where}.name must be a string", f"{where}.name")
-    if not has_tokenizer:
-        raise InvalidRequest("this deployment has no tokenizer, so no chat template: send prompt_token_ids",
-                             "messages")
-
-
-def _check_int(value, name: str, lo: int, hi: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}", name)
-
-
-def _check_number(value, name: str, lo: float, hi: float) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not lo <= value <= hi:
-        raise InvalidRequest(f"{name} must be a number in [{lo}, {hi}], got {value!r}", name)
+def show(value) -> str:
+    """A value as an error message quotes it: JSON for a scalar, else its type; at most 40 characters."""
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass

@@ -12,14 +12,16 @@ On a local cluster (no ``ray.address``) the whole app is checked against this ma
 deployed: thread counts against its cores, the memory plan (``cluster.memory_plan``) against the memory it
 has available; a config that cannot fit is refused with the plan and what to lower. Every replica checks
 its own share again on the node it lands on (``deployments.replica_process``).
+
+The config is validated here, once: every deployment is bound the validated ``ClusterConfig`` and never
+validates it again. What replicas derive from it that reads model files (engine settings, wire limits,
+the tokenizer) they derive on their own node, since a model folder may exist only on worker nodes.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
-
-from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.memory_plan import plan
@@ -28,7 +30,6 @@ from cluster.node import cpu_cores, memory_available
 from cluster.threads import node_threads
 from deployments.draft_pool import DraftPool
 from deployments.ingress import OpenAIIngress
-from deployments.local_stages import local_engine_factory
 from deployments.replica_process import model_process_env
 from deployments.router import Router
 from deployments.verifier import Verifier
@@ -85,18 +86,15 @@ def build_app(args: dict[str, Any]):
     cfg = load_config(args)
     if cfg.ray.address is None:
         check_local_node(cfg)
-    plain = cfg.to_serve_args()
     v, r = cfg.verifier, cfg.router
     router_opts = dict(
         num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
         # Scale-down and redeploys wait for in-flight requests instead of dropping them.
         graceful_shutdown_timeout_s=r.request_timeout_s)
-    if r.stages == "local":  # the router hosts both models (deployments/local_stages.py)
+    if r.stages == "local":  # the router hosts both models (see deployments.router)
         opts = {**_placement(v.num_cpus + r.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
                 **_model_env(v.num_threads)}
-        router = Router.options(ray_actor_options=opts, **router_opts).bind(
-            plain, None, None, engine_factory=local_engine_factory(plain))
-        return _ingress(cfg, plain, router)
+        return _ingress(cfg, Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None))
     if cfg.target.tensor_parallel > 1:
         # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
         verifier_opts = {**_placement(v.num_cpus, 0, None, {}), **_model_env(v.num_threads)}
@@ -105,7 +103,7 @@ def build_app(args: dict[str, Any]):
                          **_model_env(v.num_threads)}
     verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
-                                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(plain)
+                                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg)
 
     draft = None
     pool = cfg.draft_pool
@@ -121,13 +119,13 @@ def build_app(args: dict[str, Any]):
             draft = DraftPool.options(
                 **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
                 ray_actor_options={**_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
-                                                pool.resources), **_model_env(pool.num_threads)}).bind(plain)
+                                                pool.resources), **_model_env(pool.num_threads)}).bind(cfg)
 
-    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus}, **router_opts).bind(plain, draft, verifier)
-    return _ingress(cfg, plain, router)
+    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus}, **router_opts).bind(cfg, draft, verifier)
+    return _ingress(cfg, router)
 
 
-def _ingress(cfg: ClusterConfig, plain: dict, router):
+def _ingress(cfg: ClusterConfig, router):
     # A replica at max_ongoing_requests makes Serve's proxy queue every further request, /health included,
     # and stall them all. The ingress enforces its own limits instead and answers past them at once (503
     # past max_pending_bodies bodies being received or the router's capacity, 408 past the body deadline),
@@ -135,4 +133,4 @@ def _ingress(cfg: ClusterConfig, plain: dict, router):
     # /health, /v1/models and /debug, which no limit of the ingress counts.
     limit = cfg.http.max_pending_bodies + cfg.router.max_running + cfg.router.max_queue + INGRESS_BURST
     return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus},
-                                 max_ongoing_requests=limit).bind(plain, router)
+                                 max_ongoing_requests=limit).bind(cfg, router)

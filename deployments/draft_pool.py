@@ -23,12 +23,11 @@ from engine.assembly import make_proposer
 
 @serve.deployment(name="DraftPool")
 class DraftPool(StageHost):
-    def __init__(self, args: dict, *, proposer_factory=None):
-        cfg = ClusterConfig.from_dict(args)
+    def __init__(self, cfg: ClusterConfig):
         start_replica(cfg, "draft pool")
         self._init_host(wire_limits(cfg))
         settings = engine_settings(cfg, max_slots=draft_slots(cfg))
-        self.proposer = (proposer_factory or make_proposer)(settings)
+        self.proposer = make_proposer(settings)
         runner = getattr(self.proposer, "runner", None)
         self._slots = SlotGauge("draft") if runner is not None else None
 
@@ -37,7 +36,7 @@ class DraftPool(StageHost):
         items = wire.decode_propose(frame, self.limits)
         batch = await self._run(self.proposer.propose, items)
         if self._slots is not None:
-            self._slots.set(self.proposer.runner.pool.slots_in_use)
+            self._slots.set(self.proposer.runner.pool.slots_in_use, self.proposer.runner.pool.num_slots)
         return wire.encode_proposal(batch)
 
     async def release(self, frame: bytes) -> None:

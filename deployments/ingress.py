@@ -15,9 +15,10 @@ Contract (docs/http_api.md has the user-facing version):
   ``http.max_body_bytes``) and 503 + ``Retry-After`` when admission control refuses the request. Bad
   input never yields a 5xx: the body is size-checked (Content-Length, then the bytes actually read),
   then ``parse_body`` alone turns it into a dict, refusing what no later step should see (not UTF-8,
-  lone surrogates, NaN/Infinity, numbers beyond 64 bits or a float, deep nesting), and every field is
-  type-checked here; ranges and the context check are ``GenerateRequest.validate`` and the router's,
-  so handle callers get the same messages.
+  lone surrogates, NaN/Infinity, numbers beyond 64 bits or a float, deep nesting), the pydantic models
+  ``CompletionRequest`` / ``ChatRequest`` check every field's type, and ``normalise`` turns one into the
+  ``GenerateRequest`` the router gets; ranges and the context check are ``GenerateRequest.validate``
+  and the router's, so handle callers get the same messages.
 - Limits that answer at once instead of queueing (Serve's own ``max_ongoing_requests`` sits far above
   them, see ``deployments.app._ingress``): at most ``router.max_running + max_queue`` generation calls
   in flight from here (503 past it, before the body is read), at most ``http.max_pending_bodies``
@@ -50,34 +51,23 @@ import math
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, ValidationInfo, WrapValidator, field_validator)
+from pydantic_core import PydanticCustomError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded, RequestTimedOut, StageUnavailable)
+                             Overloaded, RequestTimedOut, Role, StageUnavailable, field_path, invalid, show)
 
 log = logging.getLogger("specserve.ingress")
-
-MAX_TOKEN_IDS = 1 << 20
-
-# Accepted fields per endpoint; any other key is refused naming itself (a typo must not be ignored).
-# Values are the "off" settings of OpenAI features specserve does not implement: any other value → 400.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-           "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos",
-           "return_token_ids"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                         "tools", "tool_choice", "parallel_tool_calls"}
-_UNSUPPORTED_OFF = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "echo": (False,),
-                    "best_of": (1,), "suffix": ("",), "top_logprobs": (0,), "tools": (), "tool_choice": ("none",),
-                    "parallel_tool_calls": (True, False)}
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -192,15 +182,15 @@ def parse_body(data: bytes, content_type: str | None = None, content_encoding: s
     media, _, params = (content_type or "application/json").partition(";")
     media = media.strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise _bad(f"the request body must be JSON: send Content-Type: application/json, not {_show(media)}",
+        raise _bad(f"the request body must be JSON: send Content-Type: application/json, not {show(media)}",
                    None)
     for param in params.split(";"):
         name, _, value = param.partition("=")
         if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
-            raise _bad(f"the request body must be UTF-8 JSON, not charset {_show(value.strip())}", None)
+            raise _bad(f"the request body must be UTF-8 JSON, not charset {show(value.strip())}", None)
     if content_encoding and content_encoding.strip().lower() != "identity":
         raise _bad(f"the request body must be sent uncompressed, not Content-Encoding "
-                   f"{_show(content_encoding.strip())}", None)
+                   f"{show(content_encoding.strip())}", None)
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")  # RFC 8259 lets a parser ignore a UTF-8 BOM
     except UnicodeDecodeError as exc:
@@ -225,28 +215,28 @@ def _check_tree(node: dict | list, path: tuple, depth: int) -> None:
     decodes to one; tokenizers and UTF-8 encoders raise on it), integers outside 64 bits, numbers that
     overflowed a float (``1e400`` parses to infinity), containers nested deeper than ``MAX_JSON_DEPTH``."""
     if depth > MAX_JSON_DEPTH:
-        raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _param(path[:4]))
+        raise _bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", field_path(path[:4]))
     if isinstance(node, list) and node and set(map(type, node)) == {int} and \
             _INT_MIN <= min(node) and max(node) <= _INT_MAX:
         return  # token ids: the common large list, checked at C speed
     for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
         if type(key) is str and not _valid_unicode(key):
-            where = _param(path) or "the request body"
+            where = field_path(path) or "the request body"
             raise _bad(f"a field name in {where} is not valid Unicode: it holds a lone UTF-16 surrogate",
-                       _param(path + (key,)))
+                       field_path(path + (key,)))
         kind = type(value)
         if kind is str:
             if not _valid_unicode(value):
-                where = _param(path + (key,))
+                where = field_path(path + (key,))
                 raise _bad(f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
                            "escape without its pair)", where)
         elif kind is int:
             if not _INT_MIN <= value <= _INT_MAX:
-                where = _param(path + (key,))
+                where = field_path(path + (key,))
                 raise _bad(f"{where} is out of range: integers must fit in 64 bits", where)
         elif kind is float:
             if not math.isfinite(value):
-                where = _param(path + (key,))
+                where = field_path(path + (key,))
                 raise _bad(f"{where} is out of range: numbers must be finite (at most ~1.8e308)", where)
         elif kind is dict or kind is list:
             _check_tree(value, path + (key,), depth + 1)
@@ -260,17 +250,6 @@ def _valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _param(path: tuple) -> str | None:
-    """("messages", 0, "content") → "messages[0].content" (a name's surrogates shown as "?")."""
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + part.encode("utf-8", "replace").decode()
-    return out or None
 
 
 def _no_constant(name: str):
@@ -323,99 +302,155 @@ def _abandon(gen, slot: _Slot) -> None:
         gen.cancel()
 
 
-def _is_off(value, off: tuple) -> bool:
-    if off == ():  # a list feature (tools): off when empty
-        return isinstance(value, list) and not value
-    return any(type(value) is type(o) and value == o for o in off) or \
-        (isinstance(value, (int, float)) and not isinstance(value, bool) and any(
-            isinstance(o, (int, float)) and not isinstance(o, bool) and value == o for o in off))
+# -- the request models ------------------------------------------------------------------------------
+# Field types and shapes only; ranges, the vocabulary and the context are GenerateRequest.validate's and
+# the router's (handle callers share them). Unknown fields are refused naming themselves: a typo must
+# not be silently ignored. OpenAI features specserve lacks are accepted only at their "off" value.
+
+def _integral(value):
+    """JSON has one number type: 16.0 is 16."""
+    return int(value) if type(value) is float and value.is_integer() and abs(value) < 2 ** 63 else value
 
 
-def _opt_bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(f"{param or name} must be a boolean, got {value!r}", param or name)
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def _says(message: str):
+    """Replaces whatever the field's type reports with ``message`` (for fields whose one accepted
+    value pydantic would describe obscurely)."""
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("unsupported", message) from None
+    return WrapValidator(check)
+
+
+def _off(kind):
+    return Annotated[kind | None, _says("not supported by this server; leave it unset")]
+
+
+def _exactly(value: float):
+    return Annotated[StrictFloat, Field(ge=value, le=value)]
+
+
+def _one_prompt(value):
+    """OpenAI's batched forms with a single prompt → that prompt; several → refused."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > 1:
+            raise PydanticCustomError("batch", "only one prompt per request is supported (n=1, no batched prompts)")
+        return value[0]
     return value
 
 
-def _opt_int(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
-        value = int(value)  # JSON has one number type: 16.0 is 16
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer, got {_show(value)}", name)
-    return value
+def _text_parts(value):
+    """Content parts → their text; only text parts are supported."""
+    if not isinstance(value, list):
+        return value
+    if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str
+               for p in value):
+        raise PydanticCustomError("parts", 'only text content is supported: a string or {"type": "text", '
+                                           '"text": ...} parts')
+    return "".join(p["text"] for p in value)
 
 
-def _opt_number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(f"{name} must be a number, got {_show(value)}", name)
-    if isinstance(value, int) and abs(value) > 1e300:
-        raise _bad(f"{name} is out of range", name)
-    return float(value)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _stop(value) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return list(value)
-    raise _bad(f"stop must be a string or a list of strings, got {_show(value)}", "stop")
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
-def _prompt(body: dict) -> dict:
-    if "prompt" not in body or body["prompt"] is None:
-        raise _bad("prompt is required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, str):
-        return {"prompt": p}
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # OpenAI's batched forms with a single prompt
-        if isinstance(p, str):
-            return {"prompt": p}
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        if len(p) > MAX_TOKEN_IDS:
-            raise _bad("prompt has too many token ids", "prompt")
-        return {"prompt_token_ids": list(p)}
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise _bad("only one prompt per request is supported (n=1, no batched prompts)", "prompt")
-    raise _bad("prompt must be a string or a non-empty list of token ids", "prompt")
+class ChatMessage(_Strict):
+    role: Role
+    content: Annotated[StrictStr | None, BeforeValidator(_text_parts)] = Field(None, validate_default=True)
+    name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | None, info: ValidationInfo) -> str:
+        if value is None:
+            if info.data.get("role") != "assistant":  # an assistant turn that only called tools
+                raise PydanticCustomError("content", "required: a string or text parts")
+            return ""
+        return value
 
 
-def _messages(body: dict) -> list[dict]:
-    if "messages" not in body or body["messages"] is None:
-        raise _bad("messages is required", "messages")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object with role and content", where)
-        m = dict(m)
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content[{j}] must be a {{\"type\": \"text\", \"text\": ...}} part; "
-                               "only text content is supported", f"{where}.content")
-                texts.append(part["text"])
-            m["content"] = "".join(texts)
-        elif content is None and m.get("role") == "assistant":
-            m["content"] = ""
-        out.append(m)  # roles, content types and unknown fields: GenerateRequest.validate
-    return out
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class _OpenAIRequest(_Strict):
+    model: StrictStr | None = None
+    max_tokens: JsonInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: JsonInt | None = None
+    seed: JsonInt | None = None
+    stop: Annotated[list[StrictStr] | None, BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
+                    _says("must be a string or a list of strings")] = None
+    n: Annotated[Annotated[StrictInt, Field(ge=1, le=1)] | None, _says("only n=1 is supported")] = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: _off(_exactly(0)) = None
+    frequency_penalty: _off(_exactly(0)) = None
+    logit_bias: _off(Annotated[dict, Field(max_length=0)]) = None
+    logprobs: _off(Literal[False, 0]) = None
+    user: StrictStr | None = None
+    ignore_eos: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+        return value
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: Annotated[StrictStr | Annotated[list[StrictInt], Field(min_length=1)],
+                      _says("must be a string or a non-empty list of token ids"), BeforeValidator(_one_prompt)]
+    echo: _off(Literal[False]) = None
+    best_of: _off(_exactly(1)) = None
+    suffix: _off(Literal[""]) = None
+
+
+class ChatRequest(_OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: JsonInt | None = None
+    top_logprobs: _off(_exactly(0)) = None
+    response_format: Annotated[ResponseFormat | None, _says('only {"type": "text"} is supported')] = None
+    tools: _off(Annotated[list, Field(max_length=0)]) = None
+    tool_choice: _off(Literal["none"]) = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees(cls, value, info: ValidationInfo):
+        theirs = info.data.get("max_tokens")
+        if value is not None and theirs is not None and value != theirs:
+            raise PydanticCustomError("disagree", "max_tokens and max_completion_tokens disagree; send one")
+        return value
+
+
+COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields)
+CHAT_FIELDS = frozenset(ChatRequest.model_fields)
+
+
+def normalise(req: CompletionRequest | ChatRequest) -> GenerateRequest:
+    """A validated OpenAI request → what the router gets."""
+    common = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                  stop=req.stop or [], ignore_eos=bool(req.ignore_eos))
+    if isinstance(req, ChatRequest):
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
+                    for m in req.messages]
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        return GenerateRequest(messages=messages, max_tokens=max_tokens, **common)
+    prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
+    return GenerateRequest(max_tokens=req.max_tokens, **prompt, **common)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -423,18 +458,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _show(value) -> str:
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 # Defined last: ``serve.ingress`` pickles the class by value when it is decorated, capturing only the
 # module globals that exist at that point, so every helper it calls must be defined above.
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, args: dict, router):
-        cfg = ClusterConfig.from_dict(args)
+    def __init__(self, cfg: ClusterConfig, router):  # cfg: validated once, by deployments.app.build_app
         self.router = router
         self.model_name = cfg.http.model_name
         self.max_body = cfg.http.max_body_bytes
@@ -605,69 +634,16 @@ class OpenAIIngress:
         return self._full_body(resp, opts, rid, chat)
 
     def _parse(self, body: dict, chat: bool) -> tuple[GenerateRequest, dict]:
-        allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-        for name in body:
-            if name not in allowed:
-                raise _bad(f"unrecognized request argument supplied: {name}", name)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _bad("model must be a string", "model")
-        if model is not None and model != self.model_name:
-            raise self._unknown_model(model)
-        for name, off in _UNSUPPORTED_OFF.items():
-            if name in allowed and body.get(name) is not None and not _is_off(body[name], off):
-                raise _bad(f"{name} is not supported by this server; leave it unset", name)
-        logprobs = body.get("logprobs")
-        if logprobs is not None and logprobs is not False and not (type(logprobs) is int and logprobs == 0):
-            raise _bad("logprobs are not supported by this server; leave logprobs unset", "logprobs")
-        if body.get("logit_bias") not in (None, {}):
-            raise _bad("logit_bias is not supported by this server; leave it unset", "logit_bias")
-        if chat and body.get("response_format") not in (None, {"type": "text"}):
-            raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format")
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise _bad("user must be a string", "user")
-        n = body.get("n")
-        if n is not None and (type(n) is not int or n != 1):
-            raise _bad(f"only n=1 is supported, got {n!r}", "n")
-
-        stream = _opt_bool(body, "stream", False)
-        options = body.get("stream_options")
-        include_usage = False
-        if options is not None:
-            if not stream:
-                raise _bad("stream_options is only allowed when stream is true", "stream_options")
-            if not isinstance(options, dict):
-                raise _bad("stream_options must be an object", "stream_options")
-            for name in options:
-                if name not in ("include_usage", "continuous_usage_stats"):
-                    raise _bad(f"unrecognized stream option: {name}", f"stream_options.{name}")
-            include_usage = _opt_bool(options, "include_usage", False, "stream_options.include_usage")
-            _opt_bool(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
-
-        max_tokens = _opt_int(body, "max_tokens")
-        renames = {}
-        if chat:
-            mct = _opt_int(body, "max_completion_tokens")
-            if mct is not None and max_tokens is not None and mct != max_tokens:
-                raise _bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
-            if mct is not None:
-                max_tokens, renames = mct, {"max_tokens": "max_completion_tokens"}
-        kwargs: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "temperature": _opt_number(body, "temperature"),
-            "top_p": _opt_number(body, "top_p"),
-            "top_k": _opt_int(body, "top_k"),
-            "seed": _opt_int(body, "seed"),
-            "stop": _stop(body.get("stop")),
-            "ignore_eos": _opt_bool(body, "ignore_eos", False),
-        }
-        if chat:
-            kwargs["messages"] = _messages(body)
-        else:
-            kwargs.update(_prompt(body))
-        opts = {"stream": stream, "include_usage": include_usage, "renames": renames,
-                "token_ids": _opt_bool(body, "return_token_ids", False)}
-        return GenerateRequest(**kwargs), opts
+        try:
+            req = (ChatRequest if chat else CompletionRequest).model_validate(body)
+        except ValidationError as err:
+            raise _translate(invalid(err)) from None
+        if req.model is not None and req.model != self.model_name:
+            raise self._unknown_model(req.model)
+        renames = {"max_tokens": "max_completion_tokens"} if chat and req.max_completion_tokens is not None else {}
+        opts = {"stream": bool(req.stream), "renames": renames, "token_ids": bool(req.return_token_ids),
+                "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
+        return normalise(req), opts
 
     # -- responses ----------------------------------------------------------------------------------
 

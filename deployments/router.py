@@ -1,182 +1,95 @@
-"""The router: continuous batching and the step loop, and the typed Serve-handle API.
+"""The router: the Serve shell around one ``engine.service.EngineService``, and the typed Serve-handle API.
 
-Each router replica runs one ``engine.engine.Engine`` — the same step loop the unit tests drive
-in-process — on a dedicated thread, with ``RemoteStages`` in place of in-process stages. Requests enter
-through ``generate`` / ``generate_stream`` (asyncio, on the replica's event loop), join the engine's
-batch at the next step, and receive their tokens through a per-request queue. Admission control is
-explicit: at most ``router.max_running`` sequences decode and ``router.max_queue`` wait; past that a
-request fails at once with ``Overloaded`` (HTTP 503 + Retry-After) rather than queueing without bound.
-A request whose caller goes away (cancelled handle call, closed HTTP stream) is cancelled in the
-engine, which frees its KV slots in the verifier and the draft pool.
+Each router replica runs one engine — built by ``engine.assembly.make_engine``, the assembly the CLI, the
+benchmarks and the unit tests use — on the service's step thread. With ``router.stages: remote`` the
+engine's stages are ``RemoteStages`` (one Serve call per step to the draft pool and one to the verifier);
+with ``local`` both models run inside this replica. On this project's 2-core CPU VM a stage call cost
+~5 ms against ~8 ms for the embedded target's whole step, so local stages decode at twice the speed of
+remote ones (scripts/bench_served.py); the replica is then set up as a verifier replica would be
+(``deployments.replica_process``) before the models load.
+
+Requests enter through ``generate`` / ``generate_stream`` (asyncio, on the replica's event loop). Admission
+is here: the request's checks, tokenization, the one context-length check, and the limit of
+``router.max_running + max_queue`` live requests, past which a request fails at once with ``Overloaded``
+(HTTP 503 + Retry-After) rather than queueing without bound. A request whose caller goes away is
+cancelled in the engine (``EngineService.events``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
+import dataclasses
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 
 from ray import serve
 
 from cluster.config import ClusterConfig
+from cluster.memory_plan import LOCAL_ROUTER
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
                              Overloaded, RequestTimedOut, StageUnavailable)
 from deployments.metrics import RouterMetrics
+from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
-from engine.engine import Engine, Output, Request, StepEvent
-from engine.assembly import make_goodput, make_policy
+from engine.assembly import make_engine
+from engine.engine import Output, Request
+from engine.fidelity import FidelityMonitor, plain_redecoder
+from engine.service import EngineService, Live, StepProfile, TextStream
 from runtime.models import has_tokenizer, load_tokenizer
 from runtime.protocol import SamplingParams
-
-log = logging.getLogger("specserve.router")
-
-
-@dataclass
-class _Live:
-    """A request between admission and its last chunk."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    prompt_tokens: int
-    started: float = field(default_factory=time.monotonic)
-    running: bool = False
-
-
-class TextStream:
-    """Incremental detokenization that never emits half a character or the start of a stop string."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def push(self, new_tokens, final_text: str | None = None, final: bool = False) -> str:
-        self.tokens.extend(new_tokens)
-        if self.tokenizer is None:
-            return ""
-        text = final_text if final_text is not None else self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not final:
-            if text.endswith("\ufffd"):
-                text = text[:-1]
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
-        delta = text[self.sent:] if len(text) > self.sent else ""
-        self.sent = max(self.sent, len(text))
-        return delta
-
-
-class StepProfile:
-    """Sums of per-step time by part. Draft and verify are the stages' own compute; transport is the
-    rest of each stage call's wall time (serialisation, hops, queueing); schedule is the step loop's
-    own work (everything in a step that is not waiting on a stage)."""
-
-    def __init__(self):
-        self.steps = 0
-        self.wall = self.schedule = 0.0
-        self.compute = {"draft": 0.0, "verify": 0.0}
-        self.transport = {"draft": 0.0, "verify": 0.0}
-        self.calls = {"draft": 0, "verify": 0}
-
-    def add(self, timings, wall: float, waited: float) -> None:
-        self.steps += 1
-        self.wall += wall
-        self.schedule += max(0.0, wall - waited)
-        for stage, call_wall, compute in timings:
-            self.calls[stage] += 1
-            self.compute[stage] += compute
-            self.transport[stage] += max(0.0, call_wall - compute)
-
-    def summary(self) -> dict:
-        n = max(self.steps, 1)
-        return {"steps": self.steps, "step_ms": 1e3 * self.wall / n, "schedule_ms": 1e3 * self.schedule / n,
-                **{f"{k}_ms": 1e3 * v / n for k, v in self.compute.items()},
-                **{f"transport_{k}_ms": 1e3 * v / n for k, v in self.transport.items()},
-                "calls": dict(self.calls)}
 
 
 @serve.deployment(name="Router")
 class Router:
-    def __init__(self, args: dict, draft_handle, verifier_handle, *, engine_factory=None):
-        cfg = ClusterConfig.from_dict(args)
+    def __init__(self, cfg: ClusterConfig, draft_handle, verifier_handle):
+        """``cfg`` was validated by ``deployments.app.build_app``; the handles are None with local stages."""
         self.cfg = cfg
         settings = engine_settings(cfg)
         self.limits = wire_limits(cfg)
-        self.tokenizer = _maybe_tokenizer(cfg.target.path)
+        self.tokenizer = load_tokenizer(cfg.target.path) if has_tokenizer(cfg.target.path) else None
         self.metrics = RouterMetrics()
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
-            self.tokenizer.eos_token_id is not None else []
-        if engine_factory is not None:
-            self.engine = engine_factory(settings)
+        self.stages = None
+        if cfg.router.stages == "local":
+            start_replica(cfg, LOCAL_ROUTER)
         else:
             self.stages = RemoteStages(
                 draft_handle if settings.draft is not None else None, verifier_handle, self.limits,
                 draft_timeout_s=cfg.draft_pool.timeout_s, verify_timeout_s=cfg.router.verify_timeout_s,
                 probe_interval_s=cfg.router.probe_interval_s, probe_timeout_s=cfg.router.probe_timeout_s,
                 on_fallback=self.metrics.fallback, shard_prefix=f"r{os.getpid()}")
-            self.engine = Engine(self.stages, policy=make_policy(settings), eos_token_ids=eos,
-                                 max_len=settings.max_len, max_running=cfg.router.max_running,
-                                 micro_batches=settings.micro_batches, detokenize=self._detokenize,
-                                 speculate=settings.draft is not None, goodput=make_goodput(settings))
-        self.live: dict[int, _Live] = {}
-        self._lock = threading.Lock()  # live + engine.add from the event loop vs the step thread
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.last_progress = time.monotonic()
-        self.steps = 0
-        self.profile = StepProfile()
-        self.cancelled_total = 0  # requests whose caller went away or that timed out (see kv_usage)
-        self._thread = threading.Thread(target=self._loop, name="specserve-step-loop", daemon=True)
-        self._thread.start()
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
+            self.tokenizer.eos_token_id is not None else []
+        self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize)
+        self.service = EngineService(self.engine, capacity=cfg.router.max_running + cfg.router.max_queue,
+                                     request_timeout_s=cfg.router.request_timeout_s, metrics=self.metrics)
+        self.fidelity = self._fidelity_monitor(settings, verifier_handle, eos) \
+            if cfg.router.fidelity_sample_rate > 0 else None
 
-    # -- the step loop (its own thread) -------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.engine.has_work:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                self.last_progress = time.monotonic()
-                continue
-            t0 = time.perf_counter()
-            try:
-                events = self.engine.step()
-            except Exception:  # a bug, not a replica failure (those become resyncs): fail loudly, keep serving
-                log.exception("engine step failed; failing the running requests")
-                events = [StepEvent(s, (), "error") for s in list(self.engine.running)]
-                for seq_id in list(self.engine.running):
-                    self.engine.cancel(seq_id)
-            self.steps += 1
-            self.last_progress = time.monotonic()
-            for ev in events:
-                self._deliver(ev)
-            stages = getattr(self, "stages", None)
-            timings = stages.timings.drain() if stages else []
-            wall = time.perf_counter() - t0
-            self.profile.add(timings, wall, self.engine.last_step_wait)
-            self.metrics.after_step(self.engine.stats, timings, wall, self.engine.last_step_wait,
-                                    len(self.engine.running), len(self.engine.waiting))
-
-    def _deliver(self, ev: StepEvent) -> None:
-        with self._lock:
-            live = self.live.get(ev.seq_id)
-            if live is not None:
-                live.running = True
-        output = None
-        if ev.finish_reason in ("stop", "length"):
-            output = self.engine.output(ev.seq_id)
-        elif ev.finish_reason is not None:
-            self.engine.finished.pop(ev.seq_id, None)
-        if live is None:
-            return
-        live.loop.call_soon_threadsafe(live.queue.put_nowait, (ev, output))
+    def _fidelity_monitor(self, settings, verifier_handle, eos) -> FidelityMonitor:
+        """Re-decodes a sample of finished greedy requests without speculation, on a one-slot plain engine of
+        its own: the same target (shared weights with local stages; the same verifier replicas, on shards of
+        their own, with remote ones), never the serving engine's slots."""
+        cfg = self.cfg
+        plain = dataclasses.replace(settings, draft=None, max_slots=1, micro_batches=1, goodput_guard=False)
+        if self.stages is None:
+            engine = make_engine(plain, target_model=self.engine.stages.verifier.runner.model, eos_token_ids=eos,
+                                 detokenize=self._detokenize)
+        else:
+            stages = RemoteStages(None, verifier_handle, self.limits, draft_timeout_s=cfg.draft_pool.timeout_s,
+                                  verify_timeout_s=cfg.router.verify_timeout_s,
+                                  probe_interval_s=cfg.router.probe_interval_s,
+                                  probe_timeout_s=cfg.router.probe_timeout_s, shard_prefix=f"fid{os.getpid()}")
+            engine = make_engine(plain, stages=stages, eos_token_ids=eos, detokenize=self._detokenize)
+        monitor = FidelityMonitor(cfg.router.fidelity_sample_rate, plain_redecoder(engine, first_seq_id=1 << 62),
+                                  on_result=self.metrics.fidelity)
+        monitor.start()
+        return monitor
 
     # -- admission ----------------------------------------------------------------------------------
 
-    def _admit(self, req: GenerateRequest) -> tuple[int, _Live, list[str]]:
+    def _admit(self, req: GenerateRequest) -> tuple[int, Live, list[str], Request]:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest("expected a GenerateRequest", None)
         req.validate(vocab_size=self.limits.vocab_size, has_tokenizer=self.tokenizer is not None)
@@ -204,17 +117,11 @@ class Router:
             seed=req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little"))
         request = Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
                           ignore_eos=req.ignore_eos)
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            capacity = self.cfg.router.max_running + self.cfg.router.max_queue
-            if len(self.live) >= capacity:
-                raise Overloaded(f"{len(self.live)} requests in flight (limit {capacity}); retry later",
-                                 retry_after_s=1.0)
-            live = _Live(loop, asyncio.Queue(), len(prompt))
-            seq_id = self.engine.add(request)
-            self.live[seq_id] = live
-        self._wake.set()
-        return seq_id, live, list(req.stop)
+        admitted = self.service.submit(request)
+        if admitted is None:
+            raise Overloaded(f"{len(self.service.live)} requests in flight (limit {self.service.capacity}); "
+                             "retry later", retry_after_s=1.0)
+        return (*admitted, list(req.stop), request)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -229,48 +136,39 @@ class Router:
             raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template adds its own
 
-    async def _events(self, seq_id: int, live: _Live):
-        """Yields (event, output) until the request finishes; cancels it on timeout or caller exit."""
-        deadline = live.started + self.cfg.router.request_timeout_s
-        finished = False
+    async def _events(self, seq_id: int, live: Live, request: Request):
+        """The service's events for one request, its failures as the handle API's errors; times the request
+        and offers it, finished, to the fidelity monitor."""
+        clock = self.metrics.request_clock(live.started)
         try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                ev, output = await asyncio.wait_for(live.queue.get(), remaining)
-                if ev.finish_reason == "error":
-                    finished = True
-                    self.metrics.request_done("error")
-                    raise GenerationFailed("the verifier could not complete this request (replica lost "
-                                           "repeatedly); nothing after the tokens already sent is valid")
-                if ev.finish_reason == "cancelled":
-                    finished = True
-                    raise GenerationFailed("the request was cancelled")
-                yield ev, output
-                if ev.finish_reason is not None:
-                    finished = True
-                    self.metrics.request_done("ok")
-                    return
+            async with contextlib.aclosing(self.service.events(seq_id, live)) as events:
+                async for ev, output in events:
+                    clock.delivered(len(ev.new_tokens))
+                    if ev.finish_reason == "error":
+                        self.metrics.request_done("error")
+                        clock.finished("error")
+                        raise GenerationFailed("the verifier could not complete this request (replica lost "
+                                               "repeatedly); nothing after the tokens already sent is valid")
+                    if ev.finish_reason == "cancelled":
+                        raise GenerationFailed("the request was cancelled")
+                    if ev.finish_reason is not None:
+                        self.metrics.request_done("ok")
+                        clock.finished("ok")
+                        if self.fidelity is not None and output is not None:
+                            self.fidelity.offer(request, output.tokens, ev.finish_reason)
+                    yield ev, output
         except asyncio.TimeoutError:
             self.metrics.request_done("timeout")
+            clock.finished("timeout")
             raise RequestTimedOut(f"request timed out after {self.cfg.router.request_timeout_s:g} s") from None
-        finally:
-            with self._lock:
-                self.live.pop(seq_id, None)
-            if not finished:  # caller went away or timed out: free its caches everywhere
-                self.engine.cancel(seq_id)
-                self.cancelled_total += 1
-                self.metrics.cancelled("running" if live.running else "queued")
-                self._wake.set()
 
     # -- the handle API -----------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        seq_id, live, stop = self._admit(req)
+        seq_id, live, stop, request = self._admit(req)
         tokens: list[int] = []
         output: Output | None = None
-        async for ev, out in self._events(seq_id, live):
+        async for ev, out in self._events(seq_id, live, request):
             tokens.extend(ev.new_tokens)
             output = out or output
         text = None
@@ -281,9 +179,9 @@ class Router:
                                 stats=output.stats.as_dict())
 
     async def generate_stream(self, req: GenerateRequest):
-        seq_id, live, stop = self._admit(req)
+        seq_id, live, stop, request = self._admit(req)
         stream = TextStream(self.tokenizer, stop)
-        async for ev, out in self._events(seq_id, live):
+        async for ev, out in self._events(seq_id, live, request):
             final = ev.finish_reason is not None
             text = stream.push(ev.new_tokens, out.text if final and out else None, final)
             if final:
@@ -299,9 +197,9 @@ class Router:
         """``status``: "unhealthy" when the step loop died or stalls with work waiting, or the verifier has no
         live replica; "degraded" when only the draft pool has none (decoding continues target-only); else
         "ok". Reads state the step loop and the stage prober keep: no stage is called here."""
-        age = time.monotonic() - self.last_progress
-        alive = self._thread.is_alive()
-        stages = getattr(self, "stages", None)
+        service, stages = self.service, self.stages
+        age = time.monotonic() - service.last_progress
+        alive = service.alive
         verifier = stages.verifier_live.snapshot() if stages else None
         draft = stages.draft_live.snapshot() if stages and stages.draft_live is not None else None
         if not alive:
@@ -317,24 +215,24 @@ class Router:
             status, reason = "ok", None
         return {"status": status, "reason": reason, "step_loop_alive": alive, "seconds_since_progress": round(age, 3),
                 "verifier": verifier, "draft_pool": draft, "running": len(self.engine.running),
-                "waiting": len(self.engine.waiting), "in_flight": len(self.live), "steps": self.steps}
+                "waiting": len(self.engine.waiting), "in_flight": len(service.live), "steps": service.steps}
 
     async def step_profile(self, reset: bool = False) -> dict:
         """Mean time per step by part (draft, verify, transport, schedule) since the last reset."""
-        out = self.profile.summary()
+        out = self.service.profile.summary()
         if reset:
-            self.profile = StepProfile()
+            self.service.profile = StepProfile()
         return out
 
     async def info(self) -> dict:
-        stages = getattr(self, "stages", None)
+        stages = self.stages
         return {"model": self.cfg.http.model_name, "vocab_size": self.limits.vocab_size,
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
                 "fallbacks": stages.fallbacks if stages else 0,
                 "fallback_reasons": dict(stages.fallback_reasons) if stages else {},
                 "verifier_resyncs": self.engine.verifier_resyncs,
                 "shard_prefix": stages.shard_prefix if stages else None, "stats": self.engine.stats.as_dict(),
-                "in_flight": len(self.live),
+                "in_flight": len(self.service.live),
                 "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
 
     async def kv_usage(self) -> dict:
@@ -347,8 +245,9 @@ class Router:
         half of ``router.health_timeout_s`` (Serve queues calls to a deployment without live replicas); the
         other half is for the hops to and from the ingress, which waits ``health_timeout_s`` in all.
         """
-        stages = getattr(self, "stages", None)
-        out = {"cancelled": self.cancelled_total, "in_flight": len(self.live), "running": len(self.engine.running),
+        stages = self.stages
+        out = {"cancelled": self.service.cancelled_total, "in_flight": len(self.service.live),
+               "running": len(self.engine.running),
                "waiting": len(self.engine.waiting), "verifier": [], "draft_pool": []}
         if stages is None:
             return out
@@ -376,20 +275,17 @@ class Router:
         return out
 
     def check_health(self) -> None:
-        if not self._thread.is_alive():
+        if not self.service.alive:
             raise RuntimeError("the step loop thread died")
 
     def __del__(self):
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
-        stages = getattr(self, "stages", None)
-        if stages is not None:
-            stages.close()
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop()
+        if getattr(self, "fidelity", None) is not None:
+            self.fidelity.stop()
+        if getattr(self, "stages", None) is not None:
+            self.stages.close()
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-
-def _maybe_tokenizer(path: str):
-    return load_tokenizer(path) if has_tokenizer(path) else None

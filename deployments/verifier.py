@@ -19,44 +19,31 @@ from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
-from engine.assembly import EngineSettings, make_proposer
-from runtime.models import build_model
-from runtime.runner import ModelRunner
-from verifier.verify import VerifyStage
-
-
-def local_verify_stage(settings: EngineSettings, cfg: ClusterConfig):
-    model = build_model(settings.target, settings.device, settings.dtype)
-    return VerifyStage(ModelRunner(model, max_slots=settings.max_slots, max_len=settings.max_len),
-                       settings.acceptance)
-
-
-def group_verify_stage(settings: EngineSettings, cfg: ClusterConfig):
-    from deployments.verifier_group import VerifierGroup
-
-    return VerifierGroup.from_config(settings, cfg)
+from deployments.verifier_group import VerifierGroup
+from engine.assembly import make_proposer, make_verify_stage
 
 
 @serve.deployment(name="Verifier")
 class Verifier(StageHost):
-    def __init__(self, args: dict, *, stage_factory=None, proposer_factory=None):
-        cfg = ClusterConfig.from_dict(args)
+    def __init__(self, cfg: ClusterConfig):
         start_replica(cfg, "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)")
         self._init_host(wire_limits(cfg))
         settings = engine_settings(cfg)
-        factory = stage_factory or (group_verify_stage if cfg.target.tensor_parallel > 1 else local_verify_stage)
-        self.stage = factory(settings, cfg)
+        self.stage = (VerifierGroup.from_config(settings, cfg) if cfg.target.tensor_parallel > 1 else
+                      make_verify_stage(settings))
         colocated = cfg.draft_pool.placement == "colocated" and settings.draft is not None
-        self.proposer = (proposer_factory or make_proposer)(settings) if colocated else None
+        self.proposer = make_proposer(settings) if colocated else None
         self._slots = SlotGauge("target")
 
     async def verify(self, frame: bytes) -> bytes:
         await self._affinity()
-        items, proposal = wire.decode_verify(frame, self.limits)
-        outcome = await self._run(self.stage.verify, items, proposal)
+        if isinstance(self.stage, VerifierGroup):  # its ranks decode the frame: relay it as it came
+            outcome = await self._run(self.stage.relay, frame)
+        else:
+            outcome = await self._run(self.stage.verify, *wire.decode_verify(frame, self.limits))
         runner = getattr(self.stage, "runner", None)
         if runner is not None:
-            self._slots.set(runner.pool.slots_in_use)
+            self._slots.set(runner.pool.slots_in_use, runner.pool.num_slots)
         return wire.encode_outcome(outcome)
 
     async def propose(self, frame: bytes) -> bytes:

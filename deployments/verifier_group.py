@@ -5,9 +5,9 @@ Contract:
   SPREAD when a group spans nodes), starts one ``VerifierRankActor`` per bundle, takes rank 0's node
   address and a port that is free there as the rendezvous, and has every rank build and shard the target
   (``verifier.tensor_parallel.TPVerifierRank``) from a plain model spec (``runtime.models.build_model``).
-- ``verify`` / ``submit_verify`` send the same wire frame (``runtime.wire``; nothing is pickled) to every
-  rank, in the same order for every rank (submission happens under one lock), and return rank 0's
-  outcome. The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
+- ``relay`` / ``submit_relay`` send the verifier deployment's wire frame (``runtime.wire``; nothing is
+  pickled) as it came to every rank (``verify`` encodes one first, for in-process callers), in the same
+  order for every rank (submission happens under one lock), and return rank 0's outcome. The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
   releases the rows concerned on every rank, so that they are re-prefilled through ``resync``.
 - A rank that dies or hangs (``RayActorError`` / no answer within ``verify_timeout_s``) takes the whole
   group with it: the group is torn down and rebuilt as a unit (``rebuild``), then ``VerifierGroupError``
@@ -127,8 +127,8 @@ class VerifierRankActor:
 class VerifyPending:
     """An in-flight verify of one group generation; ``result()`` gathers the ranks' answers."""
 
-    def __init__(self, group: "VerifierGroup", generation: int, refs: list, seq_ids: list[int]):
-        self.group, self.generation, self.refs, self.seq_ids = group, generation, refs, seq_ids
+    def __init__(self, group: "VerifierGroup", generation: int, refs: list):
+        self.group, self.generation, self.refs = group, generation, refs
 
     def result(self) -> VerifyOutcome:
         return self.group._collect(self)
@@ -295,17 +295,19 @@ class VerifierGroup:
 
     # -- the stage -------------------------------------------------------------------------------------
 
-    def submit_verify(self, items: Sequence[VerifyItem], proposal: ProposalBatch) -> VerifyPending:
-        frame = wire.encode_verify(items, proposal)
+    def submit_relay(self, frame: bytes) -> VerifyPending:
+        """Send a verify frame, as it came, to every rank (each decodes it against the wire limits)."""
         with self._lock:
             if not self.actors:
                 raise VerifierGroupError("the verifier group is not running")
             ref = ray.put(frame)  # one copy in the object store, read by every rank
-            refs = [a.verify.remote(ref) for a in self.actors]
-            return VerifyPending(self, self.generation, refs, [it.sync.seq_id for it in items])
+            return VerifyPending(self, self.generation, [a.verify.remote(ref) for a in self.actors])
+
+    def relay(self, frame: bytes) -> VerifyOutcome:
+        return self.submit_relay(frame).result()
 
     def verify(self, items: Sequence[VerifyItem], proposal: ProposalBatch) -> VerifyOutcome:
-        return self.submit_verify(items, proposal).result()
+        return self.relay(wire.encode_verify(items, proposal))
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Fire-and-forget on every rank (ordered before any later verify); a dead rank shows up there."""

@@ -1,6 +1,8 @@
-"""Assembling an in-process engine from plain settings (CLI, benchmarks, colocated replicas).
+"""The one assembly path: ``make_engine`` builds every ``Engine`` — the CLI's, the benchmarks', the tests',
+a local-stages router's and (around its ``RemoteStages``) a remote router's.
 
-Kept free of pydantic and ray so that a bare GPU box with only torch + transformers can build it.
+Kept free of pydantic and ray so that a bare GPU box with only torch + transformers can build it. The
+defaults of ``EngineSettings`` are the config's, from ``cluster/defaults.py`` (pydantic-free).
 """
 
 from __future__ import annotations
@@ -8,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine import Engine, LocalStages
+from cluster import defaults as D
+from cluster.model_files import check_pair
+from engine.engine import Engine, LocalStages, Stages
 from engine.gamma import GammaPolicy
 from engine.goodput import GoodputController
-from runtime.models import build_model, check_vocab_compatible
+from runtime.models import build_model
 from runtime.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
 
@@ -20,21 +24,24 @@ from verifier.verify import AcceptanceConfig, VerifyStage
 class EngineSettings:
     target: Any  # model spec, see runtime.models.build_model
     draft: Any = None  # model spec, "ngram", or None (no speculation)
-    device: str = "auto"
-    dtype: str = "auto"
-    max_len: int = 1024
-    max_slots: int = 64
+    device: str = D.DEVICE
+    dtype: str = D.DTYPE
+    max_len: int = D.MAX_MODEL_LEN
+    max_slots: int = D.MAX_RUNNING
+    # In-process stages answer at once, so a second micro-batch would only split the batch; a router
+    # pipelines its remote stages with ``router.micro_batches`` (deployments.settings).
     micro_batches: int = 1
-    gamma: int = 4
-    gamma_min: int = 1
-    gamma_max: int = 8
-    adaptive: bool = True
-    confidence_threshold: float = 0.0
-    q_top_k: int | None = None
-    ngram_min: int = 1
-    ngram_max: int = 4
+    gamma: int = D.GAMMA
+    gamma_min: int = D.GAMMA_MIN
+    gamma_max: int = D.GAMMA_MAX
+    adaptive: bool = D.ADAPTIVE
+    confidence_threshold: float = D.CONFIDENCE_THRESHOLD
+    q_top_k: int | None = D.Q_TOP_K
+    ngram_min: int = D.NGRAM_MIN
+    ngram_max: int = D.NGRAM_MAX
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-    goodput_guard: bool = False  # measure speculative vs plain goodput; decode plainly where it does not pay
+    # measure speculative vs plain goodput; decode plainly where it does not pay
+    goodput_guard: bool = D.GOODPUT_GUARD
 
 
 def make_proposer(settings: EngineSettings, draft_model=None):
@@ -48,6 +55,13 @@ def make_proposer(settings: EngineSettings, draft_model=None):
     model = draft_model if draft_model is not None else build_model(settings.draft, settings.device, settings.dtype)
     return DraftModelProposer(model, max_slots=settings.max_slots, max_len=settings.max_len,
                               q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold)
+
+
+def make_verify_stage(settings: EngineSettings, target_model=None) -> VerifyStage:
+    model = target_model if target_model is not None else build_model(settings.target, settings.device,
+                                                                       settings.dtype)
+    return VerifyStage(ModelRunner(model, max_slots=settings.max_slots, max_len=settings.max_len),
+                       settings.acceptance)
 
 
 def make_policy(settings: EngineSettings) -> GammaPolicy:
@@ -67,15 +81,16 @@ def spec_path(spec) -> str | None:
     return spec.get("path") if isinstance(spec, dict) else None
 
 
-def make_engine(settings: EngineSettings, *, target_model=None, draft_model=None, eos_token_ids=(),
-                detokenize=None) -> Engine:
-    if spec_path(settings.target) and spec_path(settings.draft):
-        check_vocab_compatible(spec_path(settings.target), spec_path(settings.draft))
-    target = target_model if target_model is not None else build_model(settings.target, settings.device,
-                                                                        settings.dtype)
-    verifier = VerifyStage(ModelRunner(target, max_slots=settings.max_slots, max_len=settings.max_len),
-                           settings.acceptance)
-    proposer = make_proposer(settings, draft_model)
-    return Engine(LocalStages(verifier, proposer), policy=make_policy(settings), eos_token_ids=eos_token_ids,
-                  max_len=settings.max_len, max_running=settings.max_slots, micro_batches=settings.micro_batches,
-                  detokenize=detokenize, speculate=proposer is not None, goodput=make_goodput(settings))
+def make_engine(settings: EngineSettings, *, stages: Stages | None = None, target_model=None, draft_model=None,
+                eos_token_ids=(), detokenize=None, goodput: GoodputController | None = None) -> Engine:
+    """An engine on ``stages`` (a router's ``RemoteStages``, or stages around models already built), or on
+    in-process stages built from ``settings`` (models loaded unless given). Speculates when ``settings``
+    names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for."""
+    if stages is None:
+        target_path, draft_path = spec_path(settings.target), spec_path(settings.draft)
+        if target_path:
+            check_pair(target_path, draft_path, where=(target_path, draft_path or ""))
+        stages = LocalStages(make_verify_stage(settings, target_model), make_proposer(settings, draft_model))
+    return Engine(stages, policy=make_policy(settings), eos_token_ids=eos_token_ids, max_len=settings.max_len,
+                  max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
+                  speculate=settings.draft is not None, goodput=goodput or make_goodput(settings))

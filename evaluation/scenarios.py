@@ -213,10 +213,11 @@ def run(args) -> int:
 
     from engine.engine import Request
     from engine.assembly import EngineSettings, make_engine
-    from runtime.models import build_model, check_vocab_compatible, load_tokenizer
+    from cluster.model_files import check_pair
+    from runtime.models import build_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
-    check_vocab_compatible(args.target, args.draft)
+    check_pair(args.target, args.draft, where=(args.target, args.draft))
     tok = load_tokenizer(args.target)
     # build_model is what serving uses (CPU float32: oneDNN-prepacked Linear layers); HF generate runs on
     # these same model objects, so both sides get the same kernels.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cluster.builtin_models import TINY_DRAFT_NOISE, TINY_TARGET
-from cluster.model_files import ModelFileError, ModelFiles, check_draft_matches, inspect_model
+from cluster.model_files import ModelFileError, ModelFiles, inspect_model
 from runtime.cpu_linear import pack_linears
 
 # One error for every model-path problem, whether config validation or loading finds it.
@@ -73,12 +73,6 @@ def _gguf_kwargs(files: ModelFiles, dequantize: bool = False) -> dict:
             return kwargs
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     return kwargs
-
-
-def check_vocab_compatible(target_path: str, draft_path: str) -> None:
-    """The draft's ids must mean the same tokens as the target's, or its proposals are noise."""
-    check_draft_matches(inspect_model(target_path, target_path), inspect_model(draft_path, draft_path),
-                        where=draft_path)
 
 
 def tiny_llama(seed: int, *, vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,

@@ -151,15 +151,14 @@ class Bench:
         self.max_slots, self.max_len, self.gamma = max_slots, max_len, gamma
 
     def engine(self, speculate: bool, goodput: bool = False):
-        from engine.engine import Engine, LocalStages
-        from engine.gamma import GammaPolicy
-        from engine.goodput import GoodputController
+        from engine.assembly import EngineSettings, make_engine
+        from engine.engine import LocalStages
 
-        policy = (GammaPolicy(gamma=self.gamma, gamma_min=1, gamma_max=max(8, self.gamma), adaptive=False)
-                  if self.gamma else GammaPolicy(gamma=4, gamma_min=1, gamma_max=8, adaptive=True))
-        return Engine(LocalStages(self.verifier, self.proposer if speculate else None), policy=policy,
-                      max_len=self.max_len, max_running=self.max_slots, speculate=speculate,
-                      goodput=GoodputController() if goodput else None)
+        # gamma 0: the adaptive policy from its defaults; otherwise that fixed gamma.
+        fixed = dict(gamma=self.gamma, gamma_max=max(8, self.gamma), adaptive=False) if self.gamma else {}
+        settings = EngineSettings(target=None, draft="built" if speculate else None, max_len=self.max_len,
+                                  max_slots=self.max_slots, goodput_guard=goodput, **fixed)
+        return make_engine(settings, stages=LocalStages(self.verifier, self.proposer if speculate else None))
 
     def run(self, engine, prompts: list[tuple[int, ...]], max_tokens: int, one_at_a_time: bool) -> dict:
         """Generate; tokens/s over the wall time (prefill included), outputs and stats."""

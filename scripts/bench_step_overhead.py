@@ -14,6 +14,11 @@ with Poisson arrivals of streaming requests and reports:
     python scripts/bench_step_overhead.py [--target DIR --draft DIR] [--requests 48 --rate 6]
 
 Prints a table and writes JSON (default bench-out/step_overhead.json).
+
+``--null-model`` isolates transport instead: stages that answer at once (no model), reached through Serve
+handles (``RemoteStages``), direct actor calls and Ray Compiled Graph channels (``ChannelStages``) in one
+run; it reports p50/p99 round trip per stage call (msgpack encode/decode included), one call in flight and
+two micro-batches in flight (default bench-out/step_overhead_null.json).
 """
 
 from __future__ import annotations
@@ -148,6 +153,168 @@ def run_mode(name: str, args, micro_batches: int, prompts) -> dict:
     }
 
 
+class NullProposer:
+    """Drafts ``gamma`` zeros per row at once: a frame of the real shape, no model."""
+
+    def propose(self, items):
+        import torch
+
+        from runtime.protocol import ProposalBatch
+
+        n, g = len(items), max(it.gamma for it in items)
+        return ProposalBatch(seq_ids=[it.sync.seq_id for it in items], tokens=torch.zeros((n, g), dtype=torch.long),
+                             lengths=torch.full((n,), g, dtype=torch.long))
+
+    def verify(self, items, proposal):
+        from runtime.protocol import VerifyOutcome
+
+        lengths = proposal.lengths.tolist()
+        return VerifyOutcome([it.sync.seq_id for it in items], [[0] * (g + 1) for g in lengths], lengths, lengths)
+
+    def release(self, seq_ids):
+        pass
+
+
+class CodecStages:
+    """The frames of a stage call encoded and decoded in this process, around a ``NullProposer``: the msgpack
+    share of every transport's round trip, with no hop at all."""
+
+    def __init__(self, limits):
+        self.limits, self.stage = limits, NullProposer()
+
+    def submit_propose(self, items, shard=0):
+        from engine.engine import Done
+        from runtime import wire
+
+        batch = self.stage.propose(wire.decode_propose(wire.encode_propose(items), self.limits))
+        return Done(wire.decode_proposal(wire.encode_proposal(batch), self.limits))
+
+    def submit_verify(self, items, proposal, shard=0):
+        from engine.engine import Done
+        from runtime import wire
+
+        outcome = self.stage.verify(*wire.decode_verify(wire.encode_verify(items, proposal), self.limits))
+        return Done(wire.decode_outcome(wire.encode_outcome(outcome), self.limits))
+
+    def close(self):
+        pass
+
+
+def null_host():
+    """A Serve stage deployment as DraftPool/Verifier are (StageHost: frames decoded with the wire limits, stage
+    work on the model thread), around a ``NullProposer``."""
+    from ray import serve
+
+    from deployments.stage_host import StageHost
+    from runtime import wire
+
+    @serve.deployment(name="NullStage", ray_actor_options={"num_cpus": 0.5})
+    class NullStage(StageHost):
+        def __init__(self, limits):
+            self._init_host(limits)
+            self.stage = NullProposer()
+
+        async def propose(self, frame: bytes) -> bytes:
+            await self._affinity()
+            return wire.encode_proposal(await self._run(self.stage.propose, wire.decode_propose(frame, self.limits)))
+
+        async def verify(self, frame: bytes) -> bytes:
+            await self._affinity()
+            return wire.encode_outcome(await self._run(self.stage.verify, *wire.decode_verify(frame, self.limits)))
+
+        async def release(self, frame: bytes) -> None:
+            await self._run(self.stage.release, list(wire.decode_release(frame, self.limits).seq_ids))
+
+    return NullStage
+
+
+def time_stages(stages, batch: int, gamma: int, steps: int, inflight: int) -> dict:
+    """Per-stage round trips (ms) of ``steps`` steps of ``inflight`` micro-batches of ``batch`` rows."""
+    from runtime.protocol import ProposeItem, SyncItem, VerifyItem
+
+    groups = [[SyncItem(seq_id=m * batch + b, base=40, tokens=(7,)) for b in range(batch)] for m in range(inflight)]
+    samples = {"draft": [], "verify": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        pending = [stages.submit_propose([ProposeItem(s, gamma) for s in g], m) for m, g in enumerate(groups)]
+        proposals = [p.result() for p in pending]
+        t1 = time.perf_counter()
+        pending = [stages.submit_verify([VerifyItem(s) for s in g], p, m)
+                   for m, (g, p) in enumerate(zip(groups, proposals))]
+        for p in pending:
+            p.result()
+        t2 = time.perf_counter()
+        samples["draft"].append((t1 - t0) * 1e3 / inflight)
+        samples["verify"].append((t2 - t1) * 1e3 / inflight)
+    return {stage: {"p50": pct(xs, 50), "p99": pct(xs, 99)} for stage, xs in samples.items()}
+
+
+def run_null_model(args) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from cluster.config import ClusterConfig
+    from deployments.channel_stages import ChannelStages
+    from deployments.launch import deploy
+    from deployments.settings import wire_limits
+    from deployments.stage_workers import start_worker
+    from deployments.stages import RemoteStages
+
+    app_args = {"target": {"path": args.target, "max_model_len": 512}, "draft": {"kind": "model", "path": args.draft},
+                "speculation": {"gamma": args.gamma, "adaptive": False}, "router": {"max_running": 64}}
+    limits = wire_limits(ClusterConfig.from_dict(app_args))
+    deploy(null_host().bind(limits), "null-draft", timeout_s=300)
+    deploy(null_host().bind(limits), "null-verify", timeout_s=300)
+    handles = RemoteStages(serve.get_deployment_handle("NullStage", app_name="null-draft"),
+                           serve.get_deployment_handle("NullStage", app_name="null-verify"), limits,
+                           draft_timeout_s=30, verify_timeout_s=30, probe_interval_s=0.5, probe_timeout_s=5)
+    transports = {"codec only": CodecStages(limits), "handle": handles}
+    for kind in ("actor", "compiled"):
+        stages = ChannelStages(limits, transport=kind, draft_timeout_s=30, verify_timeout_s=30)
+        stages.set_draft_workers({"draft-0": start_worker(NullProposer, limits)})
+        stages.set_verifier_workers({"verifier-0": start_worker(NullProposer, limits)})
+        transports[kind] = stages
+    results = []
+    for repeat in range(args.repeats):  # interleaved, so load from other processes hits every transport alike
+        for kind, stages in transports.items():
+            time_stages(stages, args.null_batch, args.gamma, 20, 1)  # warm-up
+            for inflight in (1, 2):
+                r = time_stages(stages, args.null_batch, args.gamma, args.null_steps, inflight)
+                results.append({"transport": kind, "inflight": inflight, "repeat": repeat, **r})
+    for stages in transports.values():
+        stages.close()
+    serve.delete("null-draft")
+    serve.delete("null-verify")
+    ray.shutdown()
+    return results
+
+
+def report_null_model(args, results: list[dict]) -> int:
+    header = ("transport", "in flight", "draft p50 ms", "draft p99 ms", "verify p50 ms", "verify p99 ms")
+    rows = []
+    for kind in ("codec only", "handle", "actor", "compiled"):
+        for inflight in (1, 2):
+            rs = [r for r in results if r["transport"] == kind and r["inflight"] == inflight]
+            med = {f"{st}_{q}": statistics.median(r[st][q] for r in rs) for st in ("draft", "verify") for q in ("p50", "p99")}
+            rows.append((kind, str(inflight), *(f"{med[k]:.3f}" for k in ("draft_p50", "draft_p99", "verify_p50",
+                                                                              "verify_p99"))))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    print(f"(median over {args.repeats} interleaved repeats of {args.null_steps} steps; {args.null_batch} rows, "
+          f"gamma {args.gamma}; per stage call, per micro-batch; "
+          f"'codec only': msgpack encode/decode and the null stage in this process, no hop)")
+    out = Path(args.out if args.out != DEFAULT_OUT else "bench-out/step_overhead_null.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": f"{platform.node()} ({os.cpu_count()} CPUs, CPU only)",
+                               "date": time.strftime("%Y-%m-%d"), "args": vars(args), "results": results}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+DEFAULT_OUT = "bench-out/step_overhead.json"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="builtin:tiny")
@@ -157,8 +324,17 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-out/step_overhead.json")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--null-model", action="store_true", help="stages that answer at once: transport only")
+    parser.add_argument("--null-batch", type=int, default=16, help="rows per micro-batch (--null-model)")
+    parser.add_argument("--null-steps", type=int, default=300, help="timed steps per repeat (--null-model)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (--null-model)")
     args = parser.parse_args()
+    if args.null_model:
+        import ray
+
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        return report_null_model(args, run_null_model(args))
 
     import ray
     import torch

@@ -12,6 +12,13 @@ PY="$VENV/bin/python"
 [ -x "$PY" ] || python3 -m venv "$VENV"
 pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
 
+# Prometheus for tests/ray/test_prometheus.py: Debian's package, when missing and we may install it.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing prometheus (apt)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+    >/dev/null 2>&1 || echo "[setup] prometheus not installed; tests/ray/test_prometheus.py will skip"
+fi
+
 stamp="$VENV/.specserve-setup"
 want=$( (cat pyproject.toml scripts/setup_env.sh; echo "${SPECSERVE_TORCH:-}") | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import torch, ray, deepspeed, engine.engine" 2>/dev/null; then

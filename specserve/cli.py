@@ -5,6 +5,8 @@
     specserve serve [--config cluster/examples/local.yaml]                   # Ray Serve app, HTTP + handles
     specserve plan [--config X]                      # memory plan and threads per replica; exit 1 if unfit
     specserve bench scenarios ...                                            # scripts/bench_scenarios.py
+    specserve dashboards render DIR | push --url URL --token-file F          # Grafana dashboards, alert rules
+    specserve top --url http://127.0.0.1:PORT/metrics                        # terminal view of the metrics
 
 Heavy imports happen inside the subcommands so ``specserve --help`` is instant.
 """
@@ -22,14 +24,6 @@ DEFAULT_TARGET = REPO_ROOT / "models" / "default" / "target"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "default" / "draft"
 
 
-def _model_arg(value: str):
-    if value in ("none", "None"):
-        return None
-    if value == "ngram":
-        return "ngram"
-    return value
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.assembly import EngineSettings, make_engine
     from runtime.models import load_tokenizer
@@ -37,10 +31,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import Request
 
     tokenizer = load_tokenizer(args.target)
-    settings = EngineSettings(target=args.target, draft=_model_arg(args.draft), device=args.device,
-                              dtype=args.dtype, max_len=args.max_len, max_slots=max(1, len(args.prompt)),
-                              gamma=args.gamma, gamma_max=max(args.gamma, args.gamma_max),
-                              adaptive=not args.fixed_gamma)
+    draft = None if args.draft in ("none", "None") else args.draft
+    settings = EngineSettings(target=args.target, draft=draft, device=args.device, dtype=args.dtype,
+                              max_len=args.max_len, max_slots=max(1, len(args.prompt)), gamma=args.gamma,
+                              gamma_max=max(args.gamma, args.gamma_max),
+                              adaptive=EngineSettings.adaptive and not args.fixed_gamma)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     engine = make_engine(settings, eos_token_ids=eos,
                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -124,6 +119,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cluster import defaults as D
+
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,18 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", default=str(DEFAULT_DRAFT),
                      help="the draft: local HF folder or .gguf file, 'ngram' or 'none'")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--gamma", type=int, default=4, help="draft length (start value when adaptive)")
-    gen.add_argument("--gamma-max", type=int, default=8)
+    gen.add_argument("--max-tokens", type=int, default=D.MAX_TOKENS)
+    gen.add_argument("--gamma", type=int, default=D.GAMMA,
+                     help="draft length (start value when adaptive)")
+    gen.add_argument("--gamma-max", type=int, default=D.GAMMA_MAX)
     gen.add_argument("--fixed-gamma", action="store_true", help="disable the adaptive draft length policy")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--max-len", type=int, default=1024, help="context length (prompt + output)")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-len", type=int, default=D.MAX_MODEL_LEN,
+                     help="context length (prompt + output)")
+    gen.add_argument("--device", default=D.DEVICE)
+    gen.add_argument("--dtype", default=D.DTYPE)
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -163,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", help="benchmark name, e.g. scenarios, step_overhead, gpu")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    from specserve import dashboards_cmd, top
+
+    dashboards_cmd.add_parser(sub)
+    top.add_parser(sub)
     return parser
 
 

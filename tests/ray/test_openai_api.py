@@ -89,6 +89,18 @@ def test_chat_greedy_match_reference(client):
         _check_speculation(r.model_extra["speculation"], len(ids))
 
 
+def test_chat_text_parts_and_integral_float_are_normalised(app):
+    """Content as text parts is joined, and ``max_tokens: 8.0`` is 8: the same reply as the plain request."""
+    plain = [{"role": "user", "content": "Count the stars"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Count the "}, {"type": "text", "text": "stars"}]}]
+    ids, text, finish = reference(chat_prompt_ids(plain), 8)
+    r = httpx.post(app.v1 + "/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": parts, "max_tokens": 8.0, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["token_ids"], choice["finish_reason"]) == (text, list(ids), finish)
+
+
 def test_stream_completion(client):
     prompt = "Once upon a time"
     ids, text, finish = reference(prompt, MAX_NEW)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cluster.config import ClusterConfig
 from deployments.api import GenerationFailed, InvalidRequest, Overloaded, RequestTimedOut
 from deployments.ingress import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIIngress, _translate
 from tests.ray.conftest import deploy
@@ -110,6 +111,20 @@ BAD_JSON = [
     ("response_format json", H, h(response_format={"type": "json_object"}), 400, "invalid_request_error",
      "response_format", None),
     ("chat unknown model", H, h(model="nope"), 404, "invalid_request_error", "model", "model_not_found"),
+    ("prompt token id bool", C, c(prompt=[5, True]), 400, "invalid_request_error", "prompt", None),
+    ("two prompts as ids", C, c(prompt=[[5], [6]]), 400, "invalid_request_error", "prompt", None),
+    ("top_p string", C, c(top_p="high"), 400, "invalid_request_error", "top_p", None),
+    ("include_usage not bool", C, c(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "invalid_request_error", "stream_options.include_usage", None),
+    ("message unknown field", H, h(messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400,
+     "invalid_request_error", "messages[0].tool_calls", None),
+    ("message name number", H, h(messages=[{"role": "user", "content": "x", "name": 1}]), 400,
+     "invalid_request_error", "messages[0].name", None),
+    ("user content null", H, h(messages=[{"role": "user", "content": None}]), 400, "invalid_request_error",
+     "messages[0].content", None),
+    ("too many messages", H, h(messages=USER * 1025), 400, "invalid_request_error", "messages", None),
+    ("stop too long", C, c(stop=["x" * 257]), 400, "invalid_request_error", "stop", None),
+    ("tool_choice auto", H, h(tool_choice="auto"), 400, "invalid_request_error", "tool_choice", None),
 ]
 
 NESTED = b"[" * 30000 + b"]" * 30000  # within the size limit, too deep for the JSON parser
@@ -338,7 +353,7 @@ def auth_app(app):
 
     router = serve.get_deployment_handle("Router", app_name=app.name)
     args = app_args(api_key=SECRET)
-    deploy(OpenAIIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(args, router), "openai-auth",
+    deploy(OpenAIIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(ClusterConfig.from_dict(args), router), "openai-auth",
            route_prefix="/oa-auth")
     auth = App("openai-auth", f"http://127.0.0.1:{http_port()}/oa-auth", SECRET)
     wait_healthy(auth)

@@ -15,6 +15,7 @@ import torch
 from draftpool.draft_model import DraftModelProposer
 from engine.engine import Done, Engine, LocalStages, Request
 from engine.gamma import GammaPolicy
+from runtime import wire
 from runtime.models import noisy_copy, tiny_llama
 from runtime.protocol import ProposalBatch, SyncItem, VerifyItem
 from runtime.runner import ModelRunner
@@ -48,7 +49,7 @@ class _RetryingVerify:
 
     def __init__(self, stages: "GroupStages", items, proposal):
         self.stages, self.items, self.proposal = stages, items, proposal
-        self.pending = stages.group.submit_verify(items, proposal)
+        self.pending = stages.group.submit_relay(wire.encode_verify(items, proposal))
 
     def result(self):
         from deployments.verifier_group import VerifierGroupError

@@ -13,10 +13,11 @@ from scipy.stats import chisquare
 
 from draftpool.draft_model import DraftModelProposer
 from draftpool.ngram import NgramProposer
+from engine.assembly import EngineSettings, make_verify_stage
+from engine.assembly import make_engine as assemble
 from engine.engine import Engine, LocalStages
-from engine.gamma import GammaPolicy
 from runtime.runner import ModelRunner
-from verifier.verify import AcceptanceConfig, VerifyStage
+from verifier.verify import AcceptanceConfig
 
 VOCAB = 96  # tiny_llama's default; ids 0, 1, 2 are bos, eos, pad in its config
 MAX_NEW = 24  # generated tokens per reference sequence
@@ -45,9 +46,11 @@ def hf_greedy(model, prompt, max_new: int, eos: int | None = None) -> tuple[int,
 
 
 def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False, max_slots: int = NUM_PROMPTS,
-                max_len: int = MAX_LEN, acceptance: AcceptanceConfig | None = None, **engine_kw) -> Engine:
-    """An in-process engine. ``draft``: a model, "same" (the target), "ngram", None (no proposer), or a
-    ready proposer object."""
+                max_len: int = MAX_LEN, acceptance: AcceptanceConfig | None = None, micro_batches: int = 1,
+                speculate: bool = True, **engine_kw) -> Engine:
+    """An in-process engine through ``engine.assembly.make_engine`` around models already built. ``draft``: a
+    model, "same" (the target), "ngram", None (no proposer), or a ready proposer object; ``speculate=False``
+    keeps the proposer but decodes target-only."""
     if isinstance(draft, str) and draft == "same":
         draft = target
     if isinstance(draft, str) and draft == "ngram":
@@ -56,9 +59,10 @@ def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False,
         proposer = draft
     else:
         proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len)
-    verifier = VerifyStage(ModelRunner(target, max_slots=max_slots, max_len=max_len), acceptance)
-    policy = GammaPolicy(gamma=gamma, gamma_max=max(gamma, 8), adaptive=adaptive)
-    return Engine(LocalStages(verifier, proposer), policy=policy, max_len=max_len, **engine_kw)
+    settings = EngineSettings(target=None, draft=proposer if speculate else None, max_len=max_len,
+                              max_slots=max_slots, micro_batches=micro_batches, gamma=gamma,
+                              gamma_max=max(gamma, 8), adaptive=adaptive, acceptance=acceptance or AcceptanceConfig())
+    return assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer), **engine_kw)
 
 
 def target_runner(engine: Engine) -> ModelRunner:

@@ -61,7 +61,7 @@ CASES = [  # (name, sampling, the draft's q_top_k: None = dense q)
 def test_engine_output_distribution_is_the_targets(name, params, q_top_k, pair32):
     target, draft = pair32
     proposer = DraftModelProposer(draft, max_slots=64, max_len=32, q_top_k=q_top_k)
-    engine = make_engine(target, proposer, gamma=4, max_slots=64, max_len=32, max_running=64)
+    engine = make_engine(target, proposer, gamma=4, max_slots=64, max_len=32)
     pairs = _sample_pairs(engine, params, seed0=1000)
     stats = engine.stats
     assert 0.05 < stats.acceptance_rate < 0.9, "both the accept and the reject paths must run"

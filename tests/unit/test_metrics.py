@@ -8,7 +8,7 @@ from cluster import metrics
 
 
 def test_metric_specs_are_well_formed() -> None:
-    assert len(metrics.METRICS) == 14
+    assert len(metrics.METRICS) == 29
     for name, spec in metrics.METRICS.items():
         assert name == spec.name and re.fullmatch(r"specserve_[a-z_]+", name)
         assert not name.endswith("_total"), "Ray's exporter adds _total to counters"
@@ -30,7 +30,23 @@ def test_tag_keys() -> None:
         metrics.REQUESTS: ("status",),
         metrics.REQUESTS_CANCELLED: ("phase",),
         metrics.KV_SLOTS_IN_USE: ("model",),
+        metrics.KV_SLOTS_CAPACITY: ("model",),
+        metrics.STAGE_SECONDS: ("stage",),
+        metrics.STEPS: ("mode", "batch"),
+        metrics.STEP_SECONDS: ("mode", "batch"),
+        metrics.STEP_TOKENS: ("mode", "batch"),
+        metrics.REQUEST_LATENCY: ("status",),
+        **{name: ("gpu",) for name in metrics.GPU_METRICS},
+        metrics.FIDELITY_CHECKS: ("result",),
     }
+
+
+def test_batch_buckets_cover_the_batch_cap():
+    from cluster.config import MAX_BATCH_CAP
+    from engine.goodput import batch_bucket
+
+    assert str(batch_bucket(MAX_BATCH_CAP)) == metrics.BATCH_BUCKETS[-1]
+    assert {str(batch_bucket(n)) for n in range(1, 300)} <= set(metrics.BATCH_BUCKETS)
 
 
 def test_descriptions_are_ascii():

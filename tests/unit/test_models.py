@@ -1,7 +1,7 @@
 """Models: loading local folders, refusing what the compact forward cannot run, and forward parity.
 
 - ``load_causal_lm`` round-trips a ``save_pretrained`` folder; an unsupported ``model_type`` is refused
-  up front with a message naming it; ``check_vocab_compatible`` refuses mismatched vocabularies.
+  up front with a message naming it; ``cluster.model_files.check_pair`` refuses mismatched vocabularies.
 - The compact ragged forward (``runtime.forward`` through ``ModelRunner``) gives Hugging Face's logits,
   one row at a time, for Llama, Qwen2 with mixed sliding-window layers and Mistral, on contexts longer
   than the window — and the window really changes those logits, so the comparison covers it.
@@ -16,7 +16,8 @@ import torch
 
 from tests.unit.helpers import make_prompts
 from runtime.forward import layer_windows
-from runtime.models import (ModelLoadError, build_model, check_vocab_compatible, load_causal_lm, noisy_copy,
+from cluster.model_files import check_pair
+from runtime.models import (ModelLoadError, build_model, load_causal_lm, noisy_copy,
                              resolve_dtype, tiny_llama)
 from runtime.protocol import SyncItem
 from runtime.runner import ModelRunner
@@ -112,15 +113,15 @@ def _folder(tmp_path, name, vocab_size, tokenizer_vocab=None):
     return str(path)
 
 
-def test_check_vocab_compatible(tmp_path):
+def test_check_pair_vocabulary(tmp_path):
     target = _folder(tmp_path, "target", 96, {"a": 0, "b": 1})
-    check_vocab_compatible(target, _folder(tmp_path, "same", 96, {"a": 0, "b": 1}))
-    check_vocab_compatible(target, _folder(tmp_path, "no-tokenizer", 96))  # nothing more to compare
+    check_pair(target, _folder(tmp_path, "same", 96, {"a": 0, "b": 1}))
+    check_pair(target, _folder(tmp_path, "no-tokenizer", 96))  # nothing more to compare
     with pytest.raises(ModelLoadError, match="vocab_size") as err:
-        check_vocab_compatible(target, _folder(tmp_path, "bigger", 128, {"a": 0, "b": 1}))
+        check_pair(target, _folder(tmp_path, "bigger", 128, {"a": 0, "b": 1}))
     assert "128" in str(err.value) and "96" in str(err.value)
     with pytest.raises(ModelLoadError, match="tokenizers differ"):
-        check_vocab_compatible(target, _folder(tmp_path, "swapped", 96, {"a": 1, "b": 0}))
+        check_pair(target, _folder(tmp_path, "swapped", 96, {"a": 1, "b": 0}))
 
 
 def test_resolve_dtype():

@@ -1,0 +1,16 @@
+"""The defaults of the knobs that code outside the config uses too: one home for each, plain constants so
+that the engine can read them without pydantic (the GPU image has torch and transformers only).
+``cluster/config.py`` declares its fields with these values; ``engine.assembly.EngineSettings`` and the
+CLI take theirs from here."""
+
+DEVICE = "auto"
+DTYPE = "auto"
+MAX_MODEL_LEN = 1024
+MAX_RUNNING = 64
+GAMMA, GAMMA_MIN, GAMMA_MAX = 4, 1, 8
+ADAPTIVE = True
+CONFIDENCE_THRESHOLD = 0.0
+Q_TOP_K = 64
+NGRAM_MIN, NGRAM_MAX = 1, 4
+GOODPUT_GUARD = False
+MAX_TOKENS = 256

@@ -1,0 +1,143 @@
+"""One assembly path, one validation per deploy, one home for each default.
+
+- ``Engine(...)`` is constructed only in ``engine/assembly.py`` (every package and script, read as ASTs),
+  and the router, the CLI, the benchmarks and the test helpers build engines with ``make_engine``.
+- ``build_app`` validates the config once; constructing each deployment's replica class in-process with
+  what ``build_app`` bound validates it no more and reads the target's tokenizer only where it is needed
+  (the router), once.
+- ``EngineSettings`` and the CLI take their defaults from the config's fields.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from cluster import defaults as D
+from cluster.config import ClusterConfig
+from deployments.settings import engine_settings
+from engine.assembly import EngineSettings
+from specserve.cli import build_parser
+from tests.fixtures_tokenizer import tiny_pair
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("cluster", "runtime", "verifier", "draftpool", "engine", "evaluation", "deployments", "specserve",
+            "scripts")
+ASSEMBLY = "engine/assembly.py"
+# Where engines are built: each must call engine.assembly.make_engine.
+BUILDERS = ("deployments/router.py", "specserve/cli.py", "scripts/bench_served.py", "evaluation/scenarios.py",
+            "tests/unit/helpers.py")
+
+
+def _called_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+    return names
+
+
+def _assembly_aliases(path: Path) -> set[str]:
+    """Local names under which ``path`` imports ``engine.assembly.make_engine``."""
+    return {alias.asname or alias.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == "engine.assembly"
+            for alias in node.names if alias.name == "make_engine"}
+
+
+def test_engines_are_constructed_only_by_the_assembly():
+    constructing = sorted(str(p.relative_to(REPO)) for package in PACKAGES for p in (REPO / package).rglob("*.py")
+                          if "Engine" in _called_names(p))
+    assert constructing == [ASSEMBLY]
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_engine_builders_call_the_assembly(builder):
+    path = REPO / builder
+    aliases = _assembly_aliases(path)
+    assert aliases and aliases & _called_names(path), f"{builder} does not build its engine with make_engine"
+
+
+def test_engine_settings_defaults_are_the_configs():
+    cfg = ClusterConfig.from_dict({"target": {"path": "builtin:tiny"}, "draft": {"kind": "ngram"}})
+    from_config, bare = engine_settings(cfg), EngineSettings(target=None)
+    for name in EngineSettings.__dataclass_fields__:
+        if name not in ("target", "draft", "micro_batches"):  # micro_batches: see EngineSettings
+            assert getattr(bare, name) == getattr(from_config, name), name
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert (args.max_tokens, args.gamma, args.gamma_max, args.max_len) == (
+        D.MAX_TOKENS, bare.gamma, bare.gamma_max, bare.max_len)
+
+
+# -- validation and tokenizer reads per replica start ------------------------------------------------
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts ``ClusterConfig`` validations and tokenizer loads; restores what a replica start changes."""
+    counts: Counter = Counter()
+    validate, load = ClusterConfig.model_validate.__func__, AutoTokenizer.from_pretrained.__func__
+
+    def counting_validate(cls, *args, **kwargs):
+        counts["validations"] += 1
+        return validate(cls, *args, **kwargs)
+
+    def counting_load(cls, *args, **kwargs):
+        counts["tokenizer reads"] += 1
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ClusterConfig, "model_validate", classmethod(counting_validate))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counting_load))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # start_replica sets them
+        monkeypatch.setenv(var, "1")
+    threads = torch.get_num_threads()
+    yield counts
+    torch.set_num_threads(threads)
+
+
+def _deployments(app) -> dict:
+    """Deployment name → (replica class, bound args with handles as None), for the app's whole graph."""
+    found = {}
+    stack = [app]
+    while stack:
+        node = stack.pop()._bound_deployment
+        args = [None if hasattr(a, "_bound_deployment") else a for a in node.init_args]
+        stack.extend(a for a in node.init_args if hasattr(a, "_bound_deployment"))
+        found[node.name] = (node.func_or_class, args)
+    return found
+
+
+def _starts(app, counts: Counter) -> dict:
+    """Construct each deployment's replica class once (stage handles None); what each start counted."""
+    started = {}
+    for name, (cls, args) in _deployments(app).items():
+        if name == "OpenAIIngress":
+            cls = cls.__mro__[1]  # the class under serve.ingress's ASGI wrapper, whose __init__ is a coroutine
+        counts.clear()
+        replica = cls(*args)
+        started[name] = dict(counts)
+        if name == "Router":
+            replica.__del__()  # stops the step thread (and the stage prober)
+    return started
+
+
+@pytest.mark.parametrize("stages", ["local", "remote"])
+def test_the_config_is_validated_once_per_deploy(counted, stages):
+    from deployments.app import build_app
+
+    pair = tiny_pair()
+    args = {"target": {"path": pair.target, "device": "cpu", "max_model_len": 128},
+            "draft": {"kind": "model", "path": pair.draft},
+            "router": {"stages": stages, "max_running": 4, "micro_batches": 1},
+            "draft_pool": {"placement": "offload", "num_replicas": 1}}
+    app = build_app(args)
+    assert counted == {"validations": 1}
+    assert all(isinstance(args[0], ClusterConfig) for _, args in _deployments(app).values())
+    expected = {"OpenAIIngress": {}, "Router": {"tokenizer reads": 1},
+                **({"Verifier": {}, "DraftPool": {}} if stages == "remote" else {})}
+    assert _starts(app, counted) == expected
