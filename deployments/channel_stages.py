@@ -42,7 +42,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from deployments.stage_workers import OP_PROPOSE, OP_RELEASE, OP_VERIFY
-from deployments.stages import StageTimings
+from deployments.stages import DraftFallbacks, StageTimings
 from engine.engine import Done
 from runtime import wire
 from runtime.protocol import ProposalBatch, ProposeItem, VerifyItem, VerifyOutcome
@@ -176,7 +176,9 @@ class _Membership:
             link.close()
 
 
-class ChannelStages:
+class ChannelStages(DraftFallbacks):
+    draft_name = "draft worker"
+
     def __init__(self, limits: wire.WireLimits, *, transport: str = "compiled", draft_timeout_s: float,
                  verify_timeout_s: float, fallback=None, on_fallback=None, timings: StageTimings | None = None):
         self.limits = limits
@@ -238,17 +240,6 @@ class ChannelStages:
             return batch
 
         return _Pending(finish)
-
-    def _fallback(self, seq_ids: list[int], reason: str, exc: BaseException | None = None) -> ProposalBatch:
-        if exc is not None:
-            log.warning("draft worker %s (%s): %d sequences take a target-only step", reason, exc, len(seq_ids))
-        self._count(reason, len(seq_ids))
-        return ProposalBatch.empty(seq_ids, resync=seq_ids)
-
-    def _count(self, reason: str, n: int) -> None:
-        self.fallbacks += 1
-        self.fallback_reasons[reason] += 1
-        self.on_fallback(reason, n)
 
     # -- verify --------------------------------------------------------------------------------------
 

@@ -176,7 +176,26 @@ class _DraftDown(Exception):
     """The draft pool was marked down while a step waited on its proposal."""
 
 
-class RemoteStages:
+class DraftFallbacks:
+    """Target-only steps taken in place of a draft, counted by reason and reported to ``on_fallback``;
+    shared by the stage transports (the subclass sets ``fallbacks``, ``fallback_reasons``, ``on_fallback``)."""
+
+    draft_name = "draft pool"
+
+    def _fallback(self, seq_ids: list[int], reason: str, exc: BaseException | None = None) -> ProposalBatch:
+        if exc is not None:  # "draft_down" steps are logged once, by the liveness transition
+            log.warning("%s %s (%s): %d sequences take a target-only step", self.draft_name, reason, exc,
+                        len(seq_ids))
+        self._count(reason, len(seq_ids))
+        return ProposalBatch.empty(seq_ids, resync=seq_ids)
+
+    def _count(self, reason: str, n: int) -> None:
+        self.fallbacks += 1
+        self.fallback_reasons[reason] += 1
+        self.on_fallback(reason, n)
+
+
+class RemoteStages(DraftFallbacks):
     def __init__(self, draft_handle, verifier_handle, limits: wire.WireLimits, *, draft_timeout_s: float,
                  verify_timeout_s: float, probe_interval_s: float, probe_timeout_s: float, on_fallback=None,
                  timings: StageTimings | None = None, shard_prefix: str = "mb"):
@@ -274,17 +293,6 @@ class RemoteStages:
                     raise _DraftDown from None
                 if time.monotonic() >= deadline:
                     raise
-
-    def _fallback(self, seq_ids: list[int], reason: str, exc: BaseException | None = None) -> ProposalBatch:
-        if exc is not None:  # "draft_down" steps are logged once, by the liveness transition
-            log.warning("draft pool %s (%s): %d sequences take a target-only step", reason, exc, len(seq_ids))
-        self._count(reason, len(seq_ids))
-        return ProposalBatch.empty(seq_ids, resync=seq_ids)
-
-    def _count(self, reason: str, n: int) -> None:
-        self.fallbacks += 1
-        self.fallback_reasons[reason] += 1
-        self.on_fallback(reason, n)
 
     # -- verify --------------------------------------------------------------------------------------
 
