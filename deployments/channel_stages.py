@@ -227,17 +227,7 @@ class ChannelStages(DraftFallbacks):
                 if _worker_gone(exc):
                     self.drafts.drop(link, f"{type(exc).__name__}")
                 return self._fallback(seq_ids, "draft_died", exc)
-            try:
-                batch = wire.decode_proposal(data, self.limits)
-                if batch.seq_ids != seq_ids:
-                    raise wire.WireError("proposal rows do not match the request")
-            except wire.WireError as exc:
-                return self._fallback(seq_ids, "draft_garbage", exc)
-            self.timings.add("draft", time.monotonic() - started, batch.draft_seconds)
-            moved = [s for s in batch.resync if bases[s] > 0]
-            if moved:  # a worker that never saw these sequences (membership changed)
-                self._count("draft_resync", len(moved))
-            return batch
+            return self._proposal(data, seq_ids, bases, started)
 
         return _Pending(finish)
 

@@ -177,8 +177,9 @@ class _DraftDown(Exception):
 
 
 class DraftFallbacks:
-    """Target-only steps taken in place of a draft, counted by reason and reported to ``on_fallback``;
-    shared by the stage transports (the subclass sets ``fallbacks``, ``fallback_reasons``, ``on_fallback``)."""
+    """The draft side the stage transports share: a proposal frame checked, and target-only steps taken in
+    place of a draft, counted by reason and reported to ``on_fallback`` (the subclass sets ``fallbacks``,
+    ``fallback_reasons``, ``on_fallback``, ``limits`` and ``timings``)."""
 
     draft_name = "draft pool"
 
@@ -193,6 +194,22 @@ class DraftFallbacks:
         self.fallbacks += 1
         self.fallback_reasons[reason] += 1
         self.on_fallback(reason, n)
+
+    def _proposal(self, data: bytes, seq_ids: list[int], bases: dict[int, int], started: float) -> ProposalBatch:
+        """A draft's answer frame checked against the rows it was asked for; garbage is a target-only step.
+        Rows the drafter resynced although they had committed tokens were new to it (its predecessor died,
+        was scaled down, or membership changed): counted, not failed."""
+        try:
+            batch = wire.decode_proposal(data, self.limits)
+            if batch.seq_ids != seq_ids:
+                raise wire.WireError("proposal rows do not match the request")
+        except wire.WireError as exc:
+            return self._fallback(seq_ids, "draft_garbage", exc)
+        self.timings.add("draft", time.monotonic() - started, batch.draft_seconds)
+        moved = [s for s in batch.resync if bases[s] > 0]
+        if moved:
+            self._count("draft_resync", len(moved))
+        return batch
 
 
 class RemoteStages(DraftFallbacks):
@@ -266,17 +283,7 @@ class RemoteStages(DraftFallbacks):
                 self._call_failed(self.draft_live, exc)
                 return self._fallback(seq_ids, "draft_died", exc)
             self.draft_live.ok(t0)
-            try:
-                batch = wire.decode_proposal(data, self.limits)
-                if batch.seq_ids != seq_ids:
-                    raise wire.WireError("proposal rows do not match the request")
-            except wire.WireError as exc:
-                return self._fallback(seq_ids, "draft_garbage", exc)
-            self.timings.add("draft", time.monotonic() - t0, batch.draft_seconds)
-            moved = [s for s in batch.resync if bases[s] > 0]
-            if moved:  # a replica that never saw these sequences (the old one died or was scaled down)
-                self._count("draft_resync", len(moved))
-            return batch
+            return self._proposal(data, seq_ids, bases, t0)
 
         return _Pending(response, finish, started)
 
