@@ -54,11 +54,8 @@ class Router:
         if cfg.router.stages == "local":
             start_replica(cfg, LOCAL_ROUTER)
         else:
-            self.stages = RemoteStages(
-                draft_handle if settings.draft is not None else None, verifier_handle, self.limits,
-                draft_timeout_s=cfg.draft_pool.timeout_s, verify_timeout_s=cfg.router.verify_timeout_s,
-                probe_interval_s=cfg.router.probe_interval_s, probe_timeout_s=cfg.router.probe_timeout_s,
-                on_fallback=self.metrics.fallback, shard_prefix=f"r{os.getpid()}")
+            self.stages = self._remote_stages(draft_handle if settings.draft is not None else None,
+                                              verifier_handle, "r", on_fallback=self.metrics.fallback)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else []
         self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize)
@@ -71,21 +68,21 @@ class Router:
         """Re-decodes a sample of finished greedy requests without speculation, on a one-slot plain engine of
         its own: the same target (shared weights with local stages; the same verifier replicas, on shards of
         their own, with remote ones), never the serving engine's slots."""
-        cfg = self.cfg
         plain = dataclasses.replace(settings, draft=None, max_slots=1, micro_batches=1, goodput_guard=False)
-        if self.stages is None:
-            engine = make_engine(plain, target_model=self.engine.stages.verifier.runner.model, eos_token_ids=eos,
-                                 detokenize=self._detokenize)
-        else:
-            stages = RemoteStages(None, verifier_handle, self.limits, draft_timeout_s=cfg.draft_pool.timeout_s,
-                                  verify_timeout_s=cfg.router.verify_timeout_s,
-                                  probe_interval_s=cfg.router.probe_interval_s,
-                                  probe_timeout_s=cfg.router.probe_timeout_s, shard_prefix=f"fid{os.getpid()}")
-            engine = make_engine(plain, stages=stages, eos_token_ids=eos, detokenize=self._detokenize)
-        monitor = FidelityMonitor(cfg.router.fidelity_sample_rate, plain_redecoder(engine, first_seq_id=1 << 62),
-                                  on_result=self.metrics.fidelity)
+        target = ({"target_model": self.engine.stages.verifier.runner.model} if self.stages is None
+                  else {"stages": self._remote_stages(None, verifier_handle, "fid")})
+        engine = make_engine(plain, eos_token_ids=eos, detokenize=self._detokenize, **target)
+        monitor = FidelityMonitor(self.cfg.router.fidelity_sample_rate,
+                                  plain_redecoder(engine, first_seq_id=1 << 62), on_result=self.metrics.fidelity)
         monitor.start()
         return monitor
+
+    def _remote_stages(self, draft_handle, verifier_handle, shard: str, on_fallback=None) -> RemoteStages:
+        cfg = self.cfg
+        return RemoteStages(draft_handle, verifier_handle, self.limits, draft_timeout_s=cfg.draft_pool.timeout_s,
+                            verify_timeout_s=cfg.router.verify_timeout_s, probe_interval_s=cfg.router.probe_interval_s,
+                            probe_timeout_s=cfg.router.probe_timeout_s, on_fallback=on_fallback,
+                            shard_prefix=f"{shard}{os.getpid()}")
 
     # -- admission ----------------------------------------------------------------------------------
 
