@@ -37,6 +37,14 @@ from deployments.verifier import Verifier
 STAGE_MAX_ONGOING = 256  # stage calls are one per micro-batch step; Serve's default of 5 would throttle them
 STAGE_SHUTDOWN_S = 10.0  # stage calls last milliseconds; a replica going away need not wait Serve's default 20 s
 INGRESS_BURST = 4096  # requests the ingress may hold beyond its own limits (see _ingress)
+# The ingress and the router run only non-blocking async code (the router's engine steps on a thread of
+# its own), so Serve may run it on the replica's own event loop instead of handing every request between
+# threads; the ingress also routes its handle calls from that loop (the router's come from its step thread,
+# which needs Serve's own routing loop). Measured on a 2-core VM: 640 simultaneous requests against a
+# capacity of 160 cost the ingress 0.57 s of CPU instead of 0.9 s, and the rejections' p99 fell from
+# 0.67-1.05 s to 0.20-0.45 s. The stage replicas compute in their handlers: Serve's defaults.
+SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+INGRESS_ENV = {**SAME_LOOP_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +66,9 @@ def _placement(num_cpus: float, num_gpus: float, accelerator_type: str | None, r
     return opts
 
 
-def _model_env(threads: int | str) -> dict:
+def _model_env(threads: int | str, extra: dict[str, str] | None = None) -> dict:
     """The environment a model replica's process starts with (``replica_process.model_process_env``)."""
-    return {"runtime_env": {"env_vars": model_process_env(threads)}}
+    return {"runtime_env": {"env_vars": {**model_process_env(threads), **(extra or {})}}}
 
 
 def check_local_node(cfg: ClusterConfig) -> None:
@@ -93,7 +101,7 @@ def build_app(args: dict[str, Any]):
         graceful_shutdown_timeout_s=r.request_timeout_s)
     if r.stages == "local":  # the router hosts both models (see deployments.router)
         opts = {**_placement(v.num_cpus + r.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
-                **_model_env(v.num_threads)}
+                **_model_env(v.num_threads, SAME_LOOP_ENV)}
         return _ingress(cfg, Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None))
     if cfg.target.tensor_parallel > 1:
         # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
@@ -121,7 +129,8 @@ def build_app(args: dict[str, Any]):
                 ray_actor_options={**_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
                                                 pool.resources), **_model_env(pool.num_threads)}).bind(cfg)
 
-    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus}, **router_opts).bind(cfg, draft, verifier)
+    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus, "runtime_env": {"env_vars": SAME_LOOP_ENV}},
+                            **router_opts).bind(cfg, draft, verifier)
     return _ingress(cfg, router)
 
 
@@ -132,5 +141,6 @@ def _ingress(cfg: ClusterConfig, router):
     # so Serve's limit sits above them by INGRESS_BURST: room for a burst of those quick answers and for
     # /health, /v1/models and /debug, which no limit of the ingress counts.
     limit = cfg.http.max_pending_bodies + cfg.router.max_running + cfg.router.max_queue + INGRESS_BURST
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus},
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus,
+                                                    "runtime_env": {"env_vars": INGRESS_ENV}},
                                  max_ongoing_requests=limit).bind(cfg, router)
