@@ -340,6 +340,14 @@ class RouterSpec(_Spec):
         "(verifier.num_cpus, num_gpus, accelerator_type, resources) on top of router.num_cpus and runs with "
         "verifier.num_threads.",
     )
+    transport: Literal["handles", "actor", "compiled"] = Field(
+        "handles",
+        description="How the step loop reaches remote stages. 'handles': a Serve-handle call per stage per step. "
+        "'compiled': each draft-pool and verifier replica runs its model in a stage worker (a plain actor on its "
+        "node) and the router sends every step's frame through a Ray Compiled Graph channel to it; 'actor': the "
+        "same workers, reached by direct actor calls. Serve stays the control plane and its handles the fallback "
+        "(docs/transport.md). A tensor-parallel verifier and a colocated draft stay on handles.",
+    )
     max_queue: int = Field(
         256, ge=0, description="Most requests waiting for a running slot; beyond it requests are rejected."
     )
@@ -554,7 +562,23 @@ class ClusterConfig(_Spec):
                 f"target.tensor_parallel 1 and verifier.num_groups 1 (got {self.target.tensor_parallel} and "
                 f"{self.verifier.num_groups}): use router.stages 'remote'"
             )
+        if self.router.stages == "local" and self.router.transport != "handles":
+            raise ValueError(f"router.transport: {self.router.transport!r} reaches remote stages; with "
+                             "router.stages 'local' there are none (leave transport 'handles')")
         return self
+
+    @property
+    def worker_stages(self) -> frozenset[str]:
+        """The stages whose replicas run their model in a stage worker ("draft", "verifier"): all remote
+        ones under a worker transport, except a tensor-parallel verifier (its ranks are the workers) and
+        a colocated draft (a worker takes part in one compiled graph only, and that replica hosts both)."""
+        if self.router.transport == "handles" or self.router.stages == "local" or \
+                self.draft_pool.placement == "colocated":
+            return frozenset()
+        stages = {"verifier"} if self.target.tensor_parallel == 1 else set()
+        if self.draft.kind != "none":
+            stages.add("draft")
+        return frozenset(stages)
 
     @model_validator(mode="after")
     def _check_multi_node_auth(self) -> "ClusterConfig":

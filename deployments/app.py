@@ -106,9 +106,9 @@ def build_app(args: dict[str, Any]):
     if cfg.target.tensor_parallel > 1:
         # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
         verifier_opts = {**_placement(v.num_cpus, 0, None, {}), **_model_env(v.num_threads)}
-    else:
-        verifier_opts = {**_placement(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
-                         **_model_env(v.num_threads)}
+    else:  # in worker mode the replica's stage worker holds the GPU (deployments.stage_host)
+        verifier_opts = {**_placement(v.num_cpus, 0 if "verifier" in cfg.worker_stages else v.num_gpus,
+                                      v.accelerator_type, v.resources), **_model_env(v.num_threads)}
     verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
                                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg)
@@ -126,8 +126,9 @@ def build_app(args: dict[str, Any]):
                                                   "target_ongoing_requests": 2}}
             draft = DraftPool.options(
                 **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
-                ray_actor_options={**_placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type,
-                                                pool.resources), **_model_env(pool.num_threads)}).bind(cfg)
+                ray_actor_options={**_placement(pool.num_cpus, 0 if "draft" in cfg.worker_stages else pool.num_gpus,
+                                                pool.accelerator_type, pool.resources),
+                                   **_model_env(pool.num_threads)}).bind(cfg)
 
     router = Router.options(ray_actor_options={"num_cpus": r.num_cpus, "runtime_env": {"env_vars": SAME_LOOP_ENV}},
                             **router_opts).bind(cfg, draft, verifier)

@@ -15,8 +15,10 @@ It also makes a membership change local: adding a worker compiles its graph, los
 down; the other graphs keep running. Up to ``MAX_INFLIGHT`` executions per graph are outstanding: two
 micro-batches' stage calls plus the releases not yet collected.
 
-Membership comes from the stage replicas (each owns a worker and registers it, ``set_draft_workers`` /
-``set_verifier_workers``). Shard ``s`` goes to worker ``s mod n`` of its stage, so a micro-batch stays on
+Membership comes from the stage replicas: each owns a worker, which the router's ``WorkerDirectory``
+(``deployments.worker_directory``) finds and registers (``set_draft_workers`` / ``set_verifier_workers``).
+A stage with no worker registered (before the first is found, or after the last was lost) is called
+through ``fallback``, the Serve-handle ``RemoteStages``, whose replicas forward to their workers. Shard ``s`` goes to worker ``s mod n`` of its stage, so a micro-batch stays on
 one worker (its draft KV caches stay warm there) while membership is unchanged; after a change, a worker
 that never saw a sequence answers ``resync`` and the router re-prefills it, as with Serve handles.
 
@@ -24,10 +26,11 @@ Faults, as with Serve handles (output unchanged: the verifier alone decides ever
 
 - a draft worker that dies, times out or answers garbage turns the step into a target-only step (γ = 0)
   that asks for a resync; a dead or timed-out worker is dropped from membership and its graph torn down,
-  so the next steps of its shard go to the other workers, or decode target-only when there are none;
+  so the next steps of its shard go to the other workers, or through ``fallback`` when there are none;
 - a verifier worker that fails marks the step's rows for resync and is dropped; with no verifier worker
-  left, verify calls go through ``fallback`` (the Serve-handle ``RemoteStages``) until one registers, so a
-  verifier restart costs re-prefills, never a request.
+  left, verify calls go through ``fallback``, whose calls Serve holds while the replica that lost its
+  worker is replaced (it exits when its worker dies), so a verifier restart costs re-prefills, never a
+  request.
 """
 
 from __future__ import annotations
@@ -139,17 +142,25 @@ class _Membership:
 
     def set(self, workers: dict[str, object]) -> None:
         """Make the membership exactly ``workers`` (key → actor handle): new keys get a link (a compiled
-        graph), gone keys have theirs torn down, unchanged keys keep theirs."""
+        graph, compiled outside the lock so steps on the other links go on meanwhile), gone keys have
+        theirs torn down, unchanged keys keep theirs. A worker whose graph cannot be compiled (it died in
+        between) is left out."""
         with self._lock:
             current = {link.key: link for link in self.links}
-            keep = [current[k] for k in workers if k in current and current[k].worker == workers[k]]
-            kept = {link.key for link in keep}
-            for link in self.links:
-                if link.key not in kept:
-                    link.close()
-            new = [WorkerLink(k, w, self.transport) for k, w in workers.items() if k not in kept]
-            self.links = keep + new
+        kept = [k for k in workers if k in current and current[k].worker == workers[k]]
+        new = []
+        for key in workers.keys() - set(kept):
+            try:
+                new.append(WorkerLink(key, workers[key], self.transport))
+            except Exception as exc:
+                log.warning("%s worker %s left out: %s: %s", self.name, key, type(exc).__name__, exc)
+        with self._lock:
+            old, current = self.links, {link.key: link for link in self.links}
+            self.links = [current[k] for k in kept if k in current] + sorted(new, key=lambda link: link.key)
             self.rebuilds += 1
+        for link in old:
+            if link not in self.links:
+                link.close()
         log.info("%s workers: %s", self.name, [link.key for link in self.links])
 
     def pick(self, shard: int) -> WorkerLink | None:
@@ -184,13 +195,14 @@ class ChannelStages(DraftFallbacks):
         self.limits = limits
         self.transport = transport
         self.draft_timeout_s, self.verify_timeout_s = draft_timeout_s, verify_timeout_s
-        self.fallback = fallback  # RemoteStages over Serve handles: verify calls while no verifier worker is up
+        self.fallback = fallback  # RemoteStages over Serve handles: a stage's calls while it has no worker
         self.on_fallback = on_fallback or (lambda reason, n: None)
         self.timings = timings or StageTimings()
         self.drafts = _Membership("draft", transport)
         self.verifiers = _Membership("verifier", transport)
         self.fallbacks = 0
         self.fallback_reasons: Counter = Counter()
+        self.calls: Counter = Counter()  # stage calls by way: "draft" / "verify" to a worker, "*_handles" not
 
     def set_draft_workers(self, workers: dict[str, object]) -> None:
         self.drafts.set(workers)
@@ -201,6 +213,8 @@ class ChannelStages(DraftFallbacks):
     def close(self) -> None:
         self.drafts.close()
         self.verifiers.close()
+        if self.fallback is not None:
+            self.fallback.close()
 
     # -- propose -------------------------------------------------------------------------------------
 
@@ -208,8 +222,12 @@ class ChannelStages(DraftFallbacks):
         seq_ids = [it.sync.seq_id for it in items]
         bases = {it.sync.seq_id: it.sync.base for it in items}
         link = self.drafts.pick(shard)
-        if link is None:  # no draft worker: decode target-only without waiting
+        if link is None:  # no draft worker registered: the Serve handles, or target-only without waiting
+            if self.fallback is not None:
+                self.calls["draft_handles"] += 1
+                return self.fallback.submit_propose(items, shard)
             return Done(self._fallback(seq_ids, "draft_down"))
+        self.calls["draft"] += 1
         started = time.monotonic()
         try:
             reply = link.send(OP_PROPOSE + wire.encode_propose(items))
@@ -238,8 +256,10 @@ class ChannelStages(DraftFallbacks):
         link = self.verifiers.pick(shard)
         if link is None:
             if self.fallback is not None:
+                self.calls["verify_handles"] += 1
                 return self.fallback.submit_verify(items, proposal, shard)
             return Done(self._lost(seq_ids, RuntimeError("no verifier worker registered")))
+        self.calls["verify"] += 1
         started = time.monotonic()
         try:
             reply = link.send(OP_VERIFY + wire.encode_verify(items, proposal))
@@ -275,7 +295,7 @@ class ChannelStages(DraftFallbacks):
                 link.release(frame)
             except Exception as exc:
                 log.warning("release on %s failed: %s", link.key, exc)
-        if self.fallback is not None and not self.verifiers.all():
+        if self.fallback is not None and not (self.drafts.all() and self.verifiers.all()):
             self.fallback.release(seq_ids, shard)
 
 

@@ -9,6 +9,7 @@ replica drops no request; its sequences are re-prefilled elsewhere. Placement (G
 
 from __future__ import annotations
 
+import ray
 from ray import serve
 
 from runtime import wire
@@ -18,21 +19,34 @@ from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
+from deployments.stage_workers import OP_PROPOSE, OP_RELEASE
 from engine.assembly import make_proposer
+
+ROLE = "draft pool"
+
+
+def build_proposer(cfg: ClusterConfig):
+    return make_proposer(engine_settings(cfg, max_slots=draft_slots(cfg)))
 
 
 @serve.deployment(name="DraftPool")
 class DraftPool(StageHost):
     def __init__(self, cfg: ClusterConfig):
-        start_replica(cfg, "draft pool")
+        start_replica(cfg, ROLE)
         self._init_host(wire_limits(cfg))
-        settings = engine_settings(cfg, max_slots=draft_slots(cfg))
-        self.proposer = make_proposer(settings)
-        runner = getattr(self.proposer, "runner", None)
-        self._slots = SlotGauge("draft") if runner is not None else None
+        self.proposer = self._slots = None
+        if "draft" in cfg.worker_stages:
+            self._start_worker(cfg, "draft", ROLE, build_proposer, threads=cfg.draft_pool.num_threads,
+                               num_gpus=cfg.draft_pool.num_gpus, slot_gauge="draft")
+            return
+        self.proposer = build_proposer(cfg)
+        if getattr(self.proposer, "runner", None) is not None:
+            self._slots = SlotGauge("draft")
 
     async def propose(self, frame: bytes) -> bytes:
         await self._affinity()
+        if self.worker is not None:
+            return await self._forward(OP_PROPOSE, frame)
         items = wire.decode_propose(frame, self.limits)
         batch = await self._run(self.proposer.propose, items)
         if self._slots is not None:
@@ -40,12 +54,16 @@ class DraftPool(StageHost):
         return wire.encode_proposal(batch)
 
     async def release(self, frame: bytes) -> None:
+        if self.worker is not None:
+            await self._forward(OP_RELEASE, frame)
+            return
         release = wire.decode_release(frame, self.limits)
         await self._run(self.proposer.release, list(release.seq_ids))
 
     async def stats(self) -> dict:
+        if self.worker is not None:
+            return {"actor_name": ray.get_runtime_context().get_actor_name(), **await self.worker.stats.remote()}
         runner = getattr(self.proposer, "runner", None)
-        import ray
-
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls, "slots_in_use": runner.pool.slots_in_use if runner else 0,
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls,
+                "slots_in_use": runner.pool.slots_in_use if runner else 0,
                 "sequences": len(runner.seqs) if runner else len(getattr(self.proposer, "histories", {}))}

@@ -2,8 +2,10 @@
 
 Each router replica runs one engine — built by ``engine.assembly.make_engine``, the assembly the CLI, the
 benchmarks and the unit tests use — on the service's step thread. With ``router.stages: remote`` the
-engine's stages are ``RemoteStages`` (one Serve call per step to the draft pool and one to the verifier);
-with ``local`` both models run inside this replica. On this project's 2-core CPU VM a stage call cost
+engine's stages are ``RemoteStages`` (one Serve call per step to the draft pool and one to the verifier),
+or with ``router.transport`` 'compiled' / 'actor' ``ChannelStages`` (each step's frames go to the stage
+replicas' workers through compiled-graph channels or actor calls; the handles remain its fallback and
+serve the liveness probes and /debug); with ``local`` both models run inside this replica. On this project's 2-core CPU VM a stage call cost
 ~5 ms against ~8 ms for the embedded target's whole step, so local stages decode at twice the speed of
 remote ones (scripts/bench_served.py); the replica is then set up as a verifier replica would be
 (``deployments.replica_process``) before the models load.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 import dataclasses
 import os
 import time
@@ -32,7 +35,9 @@ from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, G
 from deployments.metrics import RouterMetrics
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
+from deployments.channel_stages import ChannelStages
 from deployments.stages import RemoteStages
+from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory
 from engine.assembly import make_engine
 from engine.engine import Output, Request
 from engine.fidelity import FidelityMonitor, plain_redecoder
@@ -50,12 +55,14 @@ class Router:
         self.limits = wire_limits(cfg)
         self.tokenizer = load_tokenizer(cfg.target.path) if has_tokenizer(cfg.target.path) else None
         self.metrics = RouterMetrics()
-        self.stages = None
+        self.stages = self.handles = self.directory = None  # handles: the Serve-handle stages (liveness, debug)
         if cfg.router.stages == "local":
             start_replica(cfg, LOCAL_ROUTER)
         else:
-            self.stages = self._remote_stages(draft_handle if settings.draft is not None else None,
-                                              verifier_handle, "r", on_fallback=self.metrics.fallback)
+            self.stages = self.handles = self._remote_stages(draft_handle if settings.draft is not None else None,
+                                                             verifier_handle, "r", on_fallback=self.metrics.fallback)
+            if cfg.worker_stages:
+                self.stages = self._channel_stages(self.handles)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else []
         self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize)
@@ -83,6 +90,16 @@ class Router:
                             verify_timeout_s=cfg.router.verify_timeout_s, probe_interval_s=cfg.router.probe_interval_s,
                             probe_timeout_s=cfg.router.probe_timeout_s, on_fallback=on_fallback,
                             shard_prefix=f"{shard}{os.getpid()}")
+
+    def _channel_stages(self, handles: RemoteStages) -> ChannelStages:
+        """The stage workers' transport, over Serve handles for a stage with no worker registered; the
+        directory keeps its membership equal to the app's live workers (docs/transport.md)."""
+        stages = ChannelStages(self.limits, transport=self.cfg.router.transport,
+                               draft_timeout_s=self.cfg.draft_pool.timeout_s,
+                               verify_timeout_s=self.cfg.router.verify_timeout_s, fallback=handles,
+                               on_fallback=self.metrics.fallback, timings=handles.timings)
+        self.directory = WorkerDirectory(stages, serve.get_replica_context().app_name, DIRECTORY_INTERVAL_S).start()
+        return stages
 
     # -- admission ----------------------------------------------------------------------------------
 
@@ -194,7 +211,7 @@ class Router:
         """``status``: "unhealthy" when the step loop died or stalls with work waiting, or the verifier has no
         live replica; "degraded" when only the draft pool has none (decoding continues target-only); else
         "ok". Reads state the step loop and the stage prober keep: no stage is called here."""
-        service, stages = self.service, self.stages
+        service, stages = self.service, self.handles
         age = time.monotonic() - service.last_progress
         alive = service.alive
         verifier = stages.verifier_live.snapshot() if stages else None
@@ -222,13 +239,21 @@ class Router:
         return out
 
     async def info(self) -> dict:
-        stages = self.stages
+        counted = [s for s in (self.handles, self.stages if self.stages is not self.handles else None) if s is not None]
+        reasons = sum((s.fallback_reasons for s in counted), Counter())
+        workers = None
+        if isinstance(self.stages, ChannelStages):
+            workers = {"draft": [link.key for link in self.stages.drafts.all()],
+                       "verifier": [link.key for link in self.stages.verifiers.all()],
+                       "rebuilds": self.stages.drafts.rebuilds + self.stages.verifiers.rebuilds,
+                       "calls": dict(self.stages.calls)}
         return {"model": self.cfg.http.model_name, "vocab_size": self.limits.vocab_size,
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
-                "fallbacks": stages.fallbacks if stages else 0,
-                "fallback_reasons": dict(stages.fallback_reasons) if stages else {},
-                "verifier_resyncs": self.engine.verifier_resyncs,
-                "shard_prefix": stages.shard_prefix if stages else None, "stats": self.engine.stats.as_dict(),
+                "transport": self.cfg.router.transport if self.stages is not None else "local",
+                "workers": workers, "fallbacks": sum(s.fallbacks for s in counted),
+                "fallback_reasons": dict(reasons), "verifier_resyncs": self.engine.verifier_resyncs,
+                "shard_prefix": self.handles.shard_prefix if self.handles else None,
+                "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.service.live),
                 "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
 
@@ -242,7 +267,7 @@ class Router:
         half of ``router.health_timeout_s`` (Serve queues calls to a deployment without live replicas); the
         other half is for the hops to and from the ingress, which waits ``health_timeout_s`` in all.
         """
-        stages = self.stages
+        stages = self.handles
         out = {"cancelled": self.service.cancelled_total, "in_flight": len(self.service.live),
                "running": len(self.engine.running),
                "waiting": len(self.engine.waiting), "verifier": [], "draft_pool": []}
@@ -281,8 +306,10 @@ class Router:
             service.stop()
         if getattr(self, "fidelity", None) is not None:
             self.fidelity.stop()
+        if getattr(self, "directory", None) is not None:
+            self.directory.stop()
         if getattr(self, "stages", None) is not None:
-            self.stages.close()
+            self.stages.close()  # ChannelStages closes its Serve-handle fallback too
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

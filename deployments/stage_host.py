@@ -6,19 +6,46 @@ work runs on one dedicated thread (never on the replica's event loop, so health 
 responsive), one call at a time in submission order, since a runner's KV pool is not re-entrant. One
 thread also means one OpenMP team: torch's intra-op threads belong to the thread that starts parallel
 work, and with a pool of threads taking turns each would keep its own team spinning beside the others.
+
+In worker mode (``ClusterConfig.worker_stages``: ``router.transport`` 'compiled' or 'actor') the replica
+holds no model: it starts a ``StageWorker`` on its own node, under the name the router's
+``WorkerDirectory`` finds it by, waits until the worker's model is loaded, and forwards the frames of
+Serve-handle calls (the router's fallback, the fidelity monitor) to it as they came. The worker dies with
+the replica (Ray ends an actor with its owner), and the replica exits when its worker dies, so Serve
+replaces both together and handle calls wait for the replacement instead of failing on a dead worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
+import ray
 from ray import serve
+from ray.exceptions import RayActorError
 
+from cluster.config import ClusterConfig
 from runtime import wire
-from deployments.replica_process import thread_info, use_threads
+from deployments.replica_process import model_process_env, start_replica, thread_info, use_threads
+from deployments.stage_workers import start_worker
+from deployments.worker_directory import worker_name
+
+log = logging.getLogger("specserve.stage_host")
+
+WATCH_INTERVAL_S = 0.5  # how often a replica in worker mode checks that its worker is alive
+
+
+def _worker_stage(cfg: ClusterConfig, role: str, build: Callable[[ClusterConfig], object]):
+    """Runs in the worker's process: set it up as the replica would be, then build the stage."""
+    start_replica(cfg, role)
+    return build(cfg)
 
 
 class StageHost:
@@ -27,6 +54,32 @@ class StageHost:
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-model")
         self._busy: deque = deque(maxlen=20000)  # (start, end) wall-clock seconds of each stage call
         self.calls = 0
+        self.worker = None
+
+    def _start_worker(self, cfg: ClusterConfig, stage: str, role: str, build: Callable[[ClusterConfig], object],
+                      *, threads: int | str, num_gpus: float, slot_gauge: str) -> None:
+        """Worker mode: ``build(cfg)`` runs in a ``StageWorker`` beside this replica (see the module doc)."""
+        ctx, here = serve.get_replica_context(), ray.get_runtime_context()
+        self.worker = start_worker(
+            functools.partial(_worker_stage, cfg, role, build), self.limits,
+            name=worker_name(ctx.app_name, stage, ctx.replica_id.unique_id), namespace=here.namespace,
+            node_id=here.get_node_id(), num_gpus=num_gpus, runtime_env={"env_vars": model_process_env(threads)},
+            slot_gauge=slot_gauge)
+        ray.get(self.worker.ping.remote())  # its model is loaded before this replica counts as started
+        threading.Thread(target=self._watch_worker, name="specserve-worker-watch", daemon=True).start()
+
+    def _watch_worker(self) -> None:
+        while True:
+            try:
+                ray.get(self.worker.ping.remote())
+            except RayActorError as exc:
+                log.error("the stage worker died (%s); this replica exits so Serve replaces both", exc)
+                os._exit(1)
+            time.sleep(WATCH_INTERVAL_S)
+
+    async def _forward(self, op: bytes, frame: bytes) -> bytes:
+        """A handle call's frame, to this replica's worker, which decodes it with the same limits."""
+        return await self.worker.call.remote(op + frame)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, self._timed, fn, *args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
 from ray import serve
 
 from runtime import wire
@@ -19,15 +20,26 @@ from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
+from deployments.stage_workers import OP_RELEASE, OP_VERIFY
 from deployments.verifier_group import VerifierGroup
 from engine.assembly import make_proposer, make_verify_stage
+
+
+def build_verify_stage(cfg: ClusterConfig):
+    return make_verify_stage(engine_settings(cfg))
 
 
 @serve.deployment(name="Verifier")
 class Verifier(StageHost):
     def __init__(self, cfg: ClusterConfig):
-        start_replica(cfg, "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)")
+        role = "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)"
+        start_replica(cfg, role)
         self._init_host(wire_limits(cfg))
+        self.stage = self.proposer = None
+        if "verifier" in cfg.worker_stages:
+            self._start_worker(cfg, "verifier", role, build_verify_stage, threads=cfg.verifier.num_threads,
+                               num_gpus=cfg.verifier.num_gpus, slot_gauge="target")
+            return
         settings = engine_settings(cfg)
         self.stage = (VerifierGroup.from_config(settings, cfg) if cfg.target.tensor_parallel > 1 else
                       make_verify_stage(settings))
@@ -37,6 +49,8 @@ class Verifier(StageHost):
 
     async def verify(self, frame: bytes) -> bytes:
         await self._affinity()
+        if self.worker is not None:
+            return await self._forward(OP_VERIFY, frame)
         if isinstance(self.stage, VerifierGroup):  # its ranks decode the frame: relay it as it came
             outcome = await self._run(self.stage.relay, frame)
         else:
@@ -54,14 +68,18 @@ class Verifier(StageHost):
         return wire.encode_proposal(await self._run(self.proposer.propose, items))
 
     async def release(self, frame: bytes) -> None:
+        if self.worker is not None:
+            await self._forward(OP_RELEASE, frame)
+            return
         seq_ids = list(wire.decode_release(frame, self.limits).seq_ids)
         await self._run(self.stage.release, seq_ids)
         if self.proposer is not None:
             await self._run(self.proposer.release, seq_ids)
 
     async def stats(self) -> dict:
-        import ray
-
+        if self.worker is not None:
+            return {"actor_name": ray.get_runtime_context().get_actor_name(), "group": None,
+                    **await self.worker.stats.remote()}
         runner = getattr(self.stage, "runner", None)
         health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
         return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls,

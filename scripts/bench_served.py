@@ -7,9 +7,12 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 - in-process speculative: the same engine with the draft model (adaptive γ);
 - served speculative: the Serve app started as ``specserve serve`` starts it (``deployments.loopback``,
   loopback), requests through its OpenAI HTTP API, once per layout (``--placements``: ``offload`` = a
-  draft-pool replica, the default config; ``colocated`` = the draft inside the verifier replica;
-  ``local`` = ``router.stages: local``, both models inside the router replica, no Serve call per step);
-- served plain: the same app with ``draft.kind: none``, with remote stages and with local ones.
+  draft-pool replica, the default config; ``compiled`` = the same, with ``router.transport: compiled``
+  (every step's frames through compiled-graph channels to the stage replicas' workers); ``colocated`` =
+  the draft inside the verifier replica; ``local`` = ``router.stages: local``, both models inside the
+  router replica, no Serve call per step);
+- served plain: the same app with ``draft.kind: none``, with remote stages (handles and, with
+  ``compiled``, compiled channels) and with local ones.
 
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
@@ -52,13 +55,14 @@ from evaluation.scenarios import SCENARIOS, load_prompts  # noqa: E402
 PORT = 18000 + os.getpid() % 1000
 
 
-def served_args(args, placement: str | None, stages: str = "remote") -> dict:
+def served_args(args, placement: str | None, stages: str = "remote", transport: str = "handles") -> dict:
     """The app's config: cluster/examples/default.yaml with this run's pair, context and layout."""
     from deployments.launch import DEFAULT_CONFIG, load_launch_config
 
     cfg = load_launch_config(str(DEFAULT_CONFIG), host="127.0.0.1", port=PORT).to_serve_args()
     cfg["target"].update(path=args.target, max_model_len=args.max_model_len)
-    cfg["router"].update(max_running=max(args.batch, 1), max_queue=2 * max(args.batch, 1), stages=stages)
+    cfg["router"].update(max_running=max(args.batch, 1), max_queue=2 * max(args.batch, 1), stages=stages,
+                         transport=transport)
     if args.served_threads is not None:
         cfg["verifier"]["num_threads"] = args.served_threads
     if placement is None:
@@ -94,12 +98,18 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     return urls
 
 
-def served_layouts(args) -> dict[str, tuple[str | None, str]]:
-    """Served row name → (draft placement or None for plain, router.stages)."""
-    rows = {f"served speculative ({p})": (p, "local" if p == "local" else "remote") for p in args.placements}
-    rows["served plain (remote)"] = (None, "remote")
+def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
+    """Served row name → (draft placement or None for plain, router.stages, router.transport). The
+    placement 'compiled' is 'offload' with the stage replicas' workers reached over compiled channels."""
+    rows = {}
+    for p in args.placements:
+        layout = {"local": ("local", "local", "handles"), "compiled": ("offload", "remote", "compiled")}
+        rows[f"served speculative ({p})"] = layout.get(p, (p, "remote", "handles"))
+    rows["served plain (remote)"] = (None, "remote", "handles")
+    if "compiled" in args.placements:
+        rows["served plain (compiled)"] = (None, "remote", "compiled")
     if "local" in args.placements:
-        rows["served plain (local stages)"] = (None, "local")
+        rows["served plain (local stages)"] = (None, "local", "handles")
     return rows
 
 
@@ -172,8 +182,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16, help="batch of the throughput rows (0: none)")
-    parser.add_argument("--placements", default="offload,colocated,local",
-                        help="draft placements of the served speculative rows, comma-separated")
+    parser.add_argument("--placements", default="offload,compiled,colocated,local",
+                        help="draft placements of the served speculative rows, comma-separated ('compiled': "
+                             "offload over the compiled-graph transport)")
     parser.add_argument("--threads", default=None,
                         help="torch thread counts of the in-process rows, comma-separated (default: 1 and all cores)")
     parser.add_argument("--served-threads", type=int, default=None,

@@ -51,23 +51,44 @@ def references(prompts):
     return refs
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def tp(request):
+@pytest.fixture(scope="module", params=[(1, "handles"), (2, "handles"), (1, "compiled")],
+                ids=["tp1", "tp2", "compiled"])
+def variant(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
-def router(ray_cluster, tp):
-    """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group."""
+def tp(variant):
+    return variant[0]
+
+
+@pytest.fixture(scope="module")
+def transport(variant):
+    return variant[1]
+
+
+@pytest.fixture(scope="module")
+def router(ray_cluster, tp, transport):
+    """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group,
+    both over Serve handles; then with a single-process verifier and every step's frames over compiled-graph
+    channels to the stage replicas' workers (docs/transport.md)."""
     from ray import serve
 
     from deployments.app import build_app
 
     global APP
-    APP = f"spec-handles-tp{tp}"
-    args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp}}
+    APP = f"spec-{transport}-tp{tp}"
+    args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp},
+            "router": {**ARGS["router"], "transport": transport}}
     deploy(build_app(args), APP)
-    yield serve.get_deployment_handle("Router", app_name=APP)
+    handle = serve.get_deployment_handle("Router", app_name=APP)
+    if transport != "handles":  # the router's directory registers each worker once its model is loaded
+        deadline = time.monotonic() + 60
+        while (workers := handle.info.remote().result()["workers"]) and \
+                (len(workers["draft"]) < 2 or len(workers["verifier"]) < 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers["draft"]) == 2 and len(workers["verifier"]) == 1, workers
+    yield handle
     delete_app(APP)
 
 
@@ -116,11 +137,17 @@ def test_greedy_matches_reference_and_in_process_engine(router, prompts, referen
 
 
 def test_64_concurrent_streaming_and_unary(router, prompts, references):
+    before = router.info.remote().result()
     outputs = asyncio.run(_run_mixed(router, prompts))
     mismatched = [i for i, (o, r) in enumerate(zip(outputs, references)) if o != r]
     assert not mismatched, f"{len(mismatched)} of 64 outputs differ from the reference: {mismatched[:5]}"
     info = router.info.remote().result()
     assert info["stats"]["proposed"] > 0  # speculation actually happened
+    if info["transport"] == "compiled":  # and its frames went through the workers' channels, not handles
+        calls, was = info["workers"]["calls"], before["workers"]["calls"]
+        assert calls.get("verify", 0) - was.get("verify", 0) >= 10, (was, calls)
+        assert calls.get("draft", 0) - was.get("draft", 0) >= 10, (was, calls)
+        assert calls.get("verify_handles", 0) == was.get("verify_handles", 0), (was, calls)
 
 
 def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
@@ -144,7 +171,55 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
     outputs = asyncio.run(scenario())
     mismatched = [i for i, (o, r) in enumerate(zip(outputs, references)) if o != r]
     assert not mismatched, f"outputs differ after a draft replica died: {mismatched[:5]}"
-    assert router.info.remote().result()["fallbacks"] > before
+    info = router.info.remote().result()
+    assert info["fallbacks"] > before
+    if info["workers"] is None:
+        return
+    # Compiled transport: the dead replica's worker left membership; Serve's replacement registers its
+    # own while the next batch runs, and that batch too is exact.
+    outputs = asyncio.run(_run_mixed(router, prompts))
+    assert outputs == references
+    deadline = time.monotonic() + 60
+    while len((workers := router.info.remote().result()["workers"])["draft"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(workers["draft"]) == 2 and workers["rebuilds"] >= info["workers"]["rebuilds"] + 1, workers
+    assert asyncio.run(_run_mixed(router, prompts[:16])) == references[:16]
+
+
+def test_killing_the_verifier_worker_ends_every_request_cleanly(router, transport, prompts, references):
+    """Compiled transport: the verifier replica's worker process is killed during 20 streaming requests.
+    Each request ends with its full reference output or an explicit error, never a wrong or truncated one;
+    the replica exits with its worker, Serve replaces both, and later requests are exact over a new worker."""
+    if transport == "handles":
+        pytest.skip("the stage workers of the compiled transport")
+    from ray import serve
+
+    from deployments.api import GenerationFailed
+
+    async def one(p, ref):
+        try:
+            return await _collect_stream(router, p) == ref
+        except GenerationFailed:
+            return "error"
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts[:20], references[:20])]
+        start = (await router.info.remote())["stats"]["steps"]
+        while (await router.info.remote())["stats"]["steps"] < start + 3:
+            await asyncio.sleep(0.05)
+        stats = await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote()
+        os.kill(stats["pid"], signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+    old = router.info.remote().result()["workers"]["verifier"]
+    results = asyncio.run(scenario())
+    assert all(r is True or r == "error" for r in results), results
+    deadline = time.monotonic() + 120
+    while (new := router.info.remote().result()["workers"]["verifier"]) in ([], old) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert new and new != old, (old, new)
+    later = [router.generate.remote(_request(p)).result().token_ids for p in prompts[20:24]]
+    assert later == references[20:24]
 
 
 def test_malformed_frames_get_typed_errors_and_replicas_keep_serving(router, prompts, references):

@@ -310,3 +310,22 @@ def test_every_field_is_described_and_every_model_forbids_extras() -> None:
     assert len(seen) == 12  # ClusterConfig and its 11 section models
     ClusterConfig.model_json_schema()  # documentation tooling can render it
 
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({}, set()),  # handles: no stage workers
+    ({"router": {"transport": "compiled"}}, {"draft", "verifier"}),
+    ({"router": {"transport": "actor"}, "draft": {"kind": "none", "path": None}}, {"verifier"}),
+    ({"router": {"transport": "compiled"}, "target": {"tensor_parallel": 2}}, {"draft"}),  # ranks are workers
+    ({"router": {"transport": "compiled"}, "draft_pool": {"placement": "colocated"}}, set()),
+])
+def test_worker_stages_follow_the_transport(sections: dict[str, Any], expected: set[str]) -> None:
+    d: dict[str, Any] = {"target": {"path": BUILTIN_TINY}, "draft": {"kind": "model", "path": BUILTIN_TINY}}
+    for key, values in sections.items():
+        d[key] = {**d.get(key, {}), **values}
+    assert ClusterConfig.from_dict(d).worker_stages == expected
+
+
+def test_compiled_transport_with_local_stages_refused() -> None:
+    with pytest.raises(ValueError, match=r"router\.transport"):
+        ClusterConfig.from_dict({"target": {"path": BUILTIN_TINY}, "router": {"stages": "local", "transport": "compiled"}})
