@@ -111,6 +111,8 @@ class StageHost:
         """The router's liveness probe: answered on the event loop, so never queued behind model work."""
         return True
 
-    def busy_intervals(self, since: float = 0.0) -> list[tuple[float, float]]:
-        """Wall-clock intervals this replica spent in stage calls (for the overlap benchmark)."""
+    async def busy_intervals(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """Wall-clock intervals this replica (or its worker) spent in stage calls (the overlap benchmark)."""
+        if self.worker is not None:
+            return await self.worker.busy_intervals.remote(since)
         return [iv for iv in list(self._busy) if iv[1] >= since]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import ray
@@ -37,6 +38,7 @@ class StageWorker:
         self.limits = limits
         self.calls = 0
         self.busy_seconds = 0.0
+        self._busy: deque = deque(maxlen=20000)  # (start, end) wall-clock seconds of each call
         self._lock = threading.Lock()
         self._runner = getattr(self.stage, "runner", None)
         self._slots = SlotGauge(slot_gauge) if slot_gauge is not None and self._runner is not None else None
@@ -44,12 +46,13 @@ class StageWorker:
     def call(self, frame: bytes) -> bytes:
         op, body = frame[:1], frame[1:]
         with self._lock:
-            start = time.perf_counter()
+            start = time.time()
             try:
                 return self._call(op, body)
             finally:
                 self.calls += 1
-                self.busy_seconds += time.perf_counter() - start
+                self.busy_seconds += time.time() - start
+                self._busy.append((start, time.time()))
                 if self._slots is not None:
                     self._slots.set(self._runner.pool.slots_in_use, self._runner.pool.num_slots)
 
@@ -66,6 +69,9 @@ class StageWorker:
 
     def ping(self) -> bool:
         return True
+
+    def busy_intervals(self, since: float = 0.0) -> list[tuple[float, float]]:
+        return [iv for iv in list(self._busy) if iv[1] >= since]
 
     def stats(self) -> dict:
         runner = self._runner

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.engine import Engine, Request, StepEvent
@@ -59,12 +60,15 @@ class StepProfile:
     rest of each stage call's wall time (serialisation, hops, queueing); schedule is the step loop's
     own work (everything in a step that is not waiting on a stage)."""
 
+    SAMPLES = 20000  # per-call transport times kept for the percentiles (the latest ones)
+
     def __init__(self):
         self.steps = 0
         self.wall = self.schedule = 0.0
         self.compute = {"draft": 0.0, "verify": 0.0}
         self.transport = {"draft": 0.0, "verify": 0.0}
         self.calls = {"draft": 0, "verify": 0}
+        self.samples = {"draft": deque(maxlen=self.SAMPLES), "verify": deque(maxlen=self.SAMPLES)}
 
     def add(self, timings, wall: float, waited: float) -> None:
         self.steps += 1
@@ -74,13 +78,21 @@ class StepProfile:
             self.calls[stage] += 1
             self.compute[stage] += compute
             self.transport[stage] += max(0.0, call_wall - compute)
+            self.samples[stage].append(max(0.0, call_wall - compute))
 
     def summary(self) -> dict:
+        """Means per step, and the p50/p99 of one stage call's transport (``transport_draft_p50_ms``…)."""
         n = max(self.steps, 1)
+        quantiles = {}
+        for stage, samples in self.samples.items():
+            ordered = sorted(samples)
+            for q in (50, 99):
+                value = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else float("nan")
+                quantiles[f"transport_{stage}_p{q}_ms"] = 1e3 * value
         return {"steps": self.steps, "step_ms": 1e3 * self.wall / n, "schedule_ms": 1e3 * self.schedule / n,
                 **{f"{k}_ms": 1e3 * v / n for k, v in self.compute.items()},
                 **{f"transport_{k}_ms": 1e3 * v / n for k, v in self.transport.items()},
-                "calls": dict(self.calls)}
+                **quantiles, "calls": dict(self.calls)}
 
 
 class EngineService:

@@ -2,11 +2,13 @@
 """Step-overhead benchmark of the running Serve app: where a step's time goes, and does overlap happen.
 
 For two router settings side by side in one run — ``micro_batches=2`` (drafting one micro-batch while
-the other is verified) and ``micro_batches=1`` (no overlap) — it drives the app through the Serve handle
-with Poisson arrivals of streaming requests and reports:
+the other is verified) and ``micro_batches=1`` (no overlap) — and for each ``router.transport`` in
+``--transports`` (default: Serve handles and compiled-graph channels), it drives the app through the
+Serve handle with Poisson arrivals of streaming requests and reports:
 
 - time per step split into draft compute, verify compute, transport (the rest of each stage call:
-  msgpack, Serve hops, queueing) and scheduling (the router's own work), also as shares of step time;
+  msgpack, Serve hops, queueing) and scheduling (the router's own work), also as shares of step time,
+  and the p50/p99 of one stage call's transport (draft hop, verify hop);
 - the busy fraction of the draft pool and of the verifier over the run, and the fraction of time both
   were busy at once (overlap);
 - time-to-first-token and inter-token latency percentiles.
@@ -109,7 +111,18 @@ async def drive(router, prompts, rate: float, max_tokens: int, seed: int):
     return ttft, itl, tokens
 
 
-def run_mode(name: str, args, micro_batches: int, prompts) -> dict:
+def wait_for_workers(router, drafts: int, verifiers: int, timeout_s: float = 120.0) -> None:
+    """Until the router's directory has registered the stage replicas' workers (compiled/actor transport)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = router.info.remote().result()["workers"]
+        if len(workers["draft"]) >= drafts and len(workers["verifier"]) >= verifiers:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"stage workers not registered within {timeout_s:g} s: {workers}")
+
+
+def run_mode(name: str, args, micro_batches: int, prompts, transport: str = "handles") -> dict:
     from ray import serve
 
     from deployments.app import build_app
@@ -119,11 +132,13 @@ def run_mode(name: str, args, micro_batches: int, prompts) -> dict:
                 "draft": {"kind": "model", "path": args.draft},
                 "speculation": {"gamma": args.gamma, "adaptive": False},
                 "draft_pool": {"num_replicas": 1},
-                "router": {"micro_batches": micro_batches, "max_running": 64},
+                "router": {"micro_batches": micro_batches, "max_running": 64, "transport": transport},
                 "defaults": {"temperature": 0.0}}
-    app = f"bench-{name}"
+    app = f"bench-{name.replace(' ', '-')}"
     deploy(build_app(app_args), app, timeout_s=600)
     router = serve.get_deployment_handle("Router", app_name=app)
+    if transport != "handles":
+        wait_for_workers(router, drafts=1, verifiers=1)
     pool = serve.get_deployment_handle("DraftPool", app_name=app)
     verifier = serve.get_deployment_handle("Verifier", app_name=app)
     asyncio.run(drive(router, prompts[:4], 50.0, 8, 0))  # warm-up: first calls pay one-off costs
@@ -141,7 +156,8 @@ def run_mode(name: str, args, micro_batches: int, prompts) -> dict:
     step = profile["step_ms"] or float("nan")
     transport = profile["transport_draft_ms"] + profile["transport_verify_ms"]
     return {
-        "mode": name, "micro_batches": micro_batches, "requests": len(prompts), "tokens": tokens,
+        "mode": name, "transport": transport, "micro_batches": micro_batches, "requests": len(prompts),
+        "tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall, "profile": profile,
         "share_of_step": {"draft": profile["draft_ms"] / step, "verify": profile["verify_ms"] / step,
                           "transport": transport / step, "schedule": profile["schedule_ms"] / step},
@@ -325,11 +341,14 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--transports", default="handles,compiled",
+                        help="router.transport of the served modes, comma-separated (handles, compiled, actor)")
     parser.add_argument("--null-model", action="store_true", help="stages that answer at once: transport only")
     parser.add_argument("--null-batch", type=int, default=16, help="rows per micro-batch (--null-model)")
     parser.add_argument("--null-steps", type=int, default=300, help="timed steps per repeat (--null-model)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (--null-model)")
     args = parser.parse_args()
+    args.transports = [t for t in args.transports.split(",") if t]
     if args.null_model:
         import ray
 
@@ -346,23 +365,29 @@ def main() -> int:
     prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 64, (args.requests,), generator=gen)]
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    results = [run_mode("overlap", args, 2, prompts), run_mode("serial", args, 1, prompts)]
+    results = [run_mode(f"{mode} ({transport})", args, mb, prompts, transport)
+               for transport in args.transports for mode, mb in (("overlap", 2), ("serial", 1))]
     ray.shutdown()
 
     header = ("mode", "tok/s", "step ms", "draft", "verify", "transport", "schedule", "busy draft", "busy verify",
-              "busy both", "TTFT p50/p99 ms", "ITL p50/p99 ms")
+              "busy both", "draft hop p50/p99 ms", "verify hop p50/p99 ms", "TTFT p50/p99 ms", "ITL p50/p99 ms")
     rows = []
     for r in results:
-        s, b = r["share_of_step"], r["busy"]
-        rows.append((r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['profile']['step_ms']:.2f}", f"{s['draft']:.0%}",
+        s, b, p = r["share_of_step"], r["busy"], r["profile"]
+        rows.append((r["mode"], f"{r['tokens_per_s']:.1f}", f"{p['step_ms']:.2f}", f"{s['draft']:.0%}",
                      f"{s['verify']:.0%}", f"{s['transport']:.0%}", f"{s['schedule']:.0%}", f"{b['draft']:.0%}",
                      f"{b['verify']:.0%}", f"{b['both']:.0%}",
+                     f"{p['transport_draft_p50_ms']:.2f}/{p['transport_draft_p99_ms']:.2f}",
+                     f"{p['transport_verify_p50_ms']:.2f}/{p['transport_verify_p99_ms']:.2f}",
                      f"{r['ttft_ms'][50]:.0f}/{r['ttft_ms'][99]:.0f}", f"{r['itl_ms'][50]:.1f}/{r['itl_ms'][99]:.1f}"))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
     ratio = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
-    print(f"throughput overlap / serial: {ratio:.2f}x")
+    print(f"throughput overlap / serial ({args.transports[0]}): {ratio:.2f}x")
+    if len(args.transports) > 1:
+        print(f"throughput {args.transports[1]} / {args.transports[0]} (overlap): "
+              f"{results[2]['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": f"{platform.node()} ({os.cpu_count()} CPUs, CPU only)",

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from engine.engine import Request
-from engine.service import EngineService, TextStream
+from engine.service import EngineService, StepProfile, TextStream
 from tests.fixtures_tokenizer import tokenizer
 from tests.unit.helpers import MAX_NEW, make_engine, make_prompts, target_runner
 
@@ -124,3 +124,17 @@ def test_text_stream_holds_back_partial_stop_strings():
     assert sent == "the "  # "cat" may be the start of the stop string
     assert stream.push([], final_text="the cat", final=True) == "cat"
     assert TextStream(None, []).push(ids) == ""
+
+
+def test_step_profile_reports_transport_percentiles_per_stage_call():
+    profile = StepProfile()
+    # 100 steps; each calls the draft (compute 1 ms, transport i/10 ms) and the verifier (transport 0.5 ms).
+    for i in range(100):
+        profile.add([("draft", 1e-3 + i * 1e-4, 1e-3), ("verify", 3.5e-3, 3e-3)], wall=5e-3, waited=4e-3)
+    out = profile.summary()
+    assert out["calls"] == {"draft": 100, "verify": 100}
+    assert out["transport_draft_p50_ms"] == pytest.approx(5.0, abs=1e-6)
+    assert out["transport_draft_p99_ms"] == pytest.approx(9.9, abs=1e-6)
+    assert out["transport_verify_p50_ms"] == pytest.approx(0.5, abs=1e-6)
+    assert out["transport_draft_ms"] == pytest.approx(4.95, abs=1e-6)  # the mean per step
+    assert out["schedule_ms"] == pytest.approx(1.0, abs=1e-6)
