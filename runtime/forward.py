@@ -10,7 +10,9 @@ scaling, and DeepSpeed AutoTP's sharded Linear layers (which change the local he
 working, while positions, masks and the KV pool are ours.
 
 Row b feeds ``input_ids[b, :lengths[b]]`` at positions ``start[b] …``; padded tokens write their K/V to
-a scratch column (index ``pool.max_len``) that no read ever covers.
+a scratch column (index ``pool.max_len``) that no read ever covers. With ``tree`` (``runtime.token_tree``)
+the tokens still write to those columns, but RoPE and the mask take each token's position (a tree node's:
+prefix length + depth) and visibility (its ancestors, not its siblings) from the caller.
 
 Nothing here reads a tensor back to the host or allocates with a data-dependent shape, so a call with
 fixed-shape inputs can be captured once as a CUDA graph and replayed (``runtime.cuda_graphs``,
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv_cache import KVPool
+from runtime.token_tree import tree_masks
 
 
 def layer_windows(model) -> list[int | None]:
@@ -81,6 +84,17 @@ def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
+def _causal_masks(positions: torch.Tensor,  # [B, T] int64
+                  kv_len: int, windows: list[int | None]) -> dict[int | None, torch.Tensor]:  # [B, 1, T, kv_len]
+    key_pos = torch.arange(kv_len, device=positions.device).view(1, 1, kv_len)
+    query_pos = positions.unsqueeze(2)  # [B, T, 1]
+    causal = key_pos <= query_pos  # [B, T, kv_len]
+    masks = {}
+    for window in set(windows):
+        masks[window] = (causal if window is None else causal & (key_pos > query_pos - window)).unsqueeze(1)
+    return masks
+
+
 @torch.inference_mode()
 def forward(
     model,
@@ -93,6 +107,7 @@ def forward(
     logit_index: torch.Tensor,  # [B, N] int64 column indices into T whose logits are returned
     kv_len: int,  # ≥ max(start + lengths), ≤ pool.max_len; keys read per row
     contiguous_from: int | None,  # rows == arange(contiguous_from, contiguous_from + B) if not None
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # positions [B, T], visible [B, T, T]: runtime.token_tree
 ) -> torch.Tensor:  # [B, N, V] logits
     inner = model.model
     B, T = input_ids.shape
@@ -101,13 +116,11 @@ def forward(
     positions = start.unsqueeze(1) + steps  # [B, T]
     real = steps < lengths.unsqueeze(1)  # [B, T]
     write_pos = torch.where(real, positions, torch.full_like(positions, pool.max_len))
-
-    key_pos = torch.arange(kv_len, device=device).view(1, 1, kv_len)
-    query_pos = positions.unsqueeze(2)  # [B, T, 1]
-    causal = key_pos <= query_pos  # [B, T, kv_len]
-    masks = {}
-    for window in set(windows):
-        masks[window] = (causal if window is None else causal & (key_pos > query_pos - window)).unsqueeze(1)
+    if tree is None:
+        masks = _causal_masks(positions, kv_len, windows)
+    else:  # token-tree nodes: K/V still go to the columns start + t, but RoPE and the mask use prefix + depth
+        positions = tree[0]
+        masks = tree_masks(start, positions, tree[1], kv_len, windows)
 
     hidden = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(hidden, positions)  # [B, T, D]

@@ -51,6 +51,12 @@ class KVPool:
         self.k[layer][rows.unsqueeze(1), positions] = k
         self.v[layer][rows.unsqueeze(1), positions] = v
 
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at (slots[i], src[i]) copied to (slots[i], dst[i]); all [M] int64. All sources are
+        gathered before any destination is written, so sources and destinations may overlap."""
+        self.k[:, slots, dst] = self.k[:, slots, src]
+        self.v[:, slots, dst] = self.v[:, slots, src]
+
     def read(self, layer: int, rows: torch.Tensor, kv_len: int, contiguous_from: int | None):
         """Keys/values [B, kv_len, kv_heads, head_dim] of the given slots; a view when rows are a range."""
         if contiguous_from is not None:

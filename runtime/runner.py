@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from runtime import forward as fwd
+from runtime import token_tree
 from runtime.cuda_graphs import DEFAULT_MAX_GRAPHS, StepGraphs
 from runtime.fusion import fuse_projections
 from runtime.kv_cache import KVPool
@@ -80,6 +81,8 @@ class ModelRunner:
                            dtype=self.dtype, device=self.device)
         self.pool.max_len = max_len  # reads never reach the scratch column
         self.seqs: dict[int, SequenceState] = {}
+        # The latest tree_forward's rows: seq_id → (tick, committed length, parents, tokens), for commit_paths.
+        self._trees: dict[int, tuple[int, int, list[int], list[int]]] = {}
         self.stats = ForwardStats()
         self.tick = 0  # forward calls so far
         self.evictions = 0
@@ -123,6 +126,7 @@ class ModelRunner:
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
+            self._trees.pop(seq_id, None)
             state = self.seqs.pop(seq_id, None)
             if state is not None:
                 self.pool.free(state.slot)
@@ -160,14 +164,77 @@ class ModelRunner:
             del state.cached[begin:]
             state.cached.extend(feed)
             state.valid = len(state.tokens)
+        return self._run(t0, states, starts, feeds, num_logits)
 
+    def tree_forward(self, seq_ids: Sequence[int], parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]
+                     ) -> torch.Tensor:  # [B, 1 + max n_b, V] float; row b valid in [:1 + n_b]
+        """Score each row's token tree in one forward (``runtime.token_tree``): ``parents[b]`` (-1: a child of
+        the last committed token, else an earlier node) and ``tokens[b]`` of its n_b nodes. Logits [b, 0]
+        follow the last committed token (they score the root's children), [b, 1 + i] follow node i.
+
+        Like ``forward`` with drafts, each row feeds its uncached committed tail (at least the last token) and
+        then its nodes, whose K/V land after the committed tokens in node order. They are not recorded as
+        cached: ``commit_paths`` moves an accepted path's K/V into place; whatever it does not move is stale
+        and overwritten later. From the static path the logits are a view: valid until the next forward."""
+        t0 = time.perf_counter()
+        self._trees = {}  # whatever an earlier tree left is about to be overwritten
+        states = [self.seqs[s] for s in seq_ids]
+        feeds, starts, trees, pending = [], [], [], {}
+        for seq_id, state, par, toks in zip(seq_ids, states, parents, tokens):
+            committed = len(state.tokens)
+            if len(par) != len(toks):
+                raise ValueError(f"sequence {seq_id}: {len(par)} parents for {len(toks)} tree tokens")
+            if committed == 0:
+                raise ValueError(f"sequence {seq_id}: a tree needs a committed token to grow from")
+            if committed + len(toks) > self.max_len:
+                raise SequenceTooLong(f"{committed + len(toks)} tokens exceed max_len {self.max_len}")
+            begin = min(state.valid, committed - 1)
+            feeds.append(state.tokens[begin:] + list(toks))
+            starts.append(begin)
+            trees.append((committed - begin, list(par)))
+            pending[seq_id] = (committed, list(par), list(toks))
+            del state.cached[begin:]
+            state.cached.extend(state.tokens[begin:])
+            state.valid = committed
+        logits = self._run(t0, states, starts, feeds, [len(t) + 1 for t in tokens], trees)
+        self._trees = {seq_id: (self.tick, *tree) for seq_id, tree in pending.items()}
+        return logits
+
+    def commit_paths(self, seq_ids: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+        """After ``tree_forward``, before any other forward: record each row's accepted ``path`` (node indices
+        from a child of the root down; [] when none was accepted) as cached after its committed tokens, moving
+        the path's K/V from its nodes' columns to the columns a chain would have used, in one copy for the
+        batch. The rest of the tree is left past ``cached``: rolling it back is bookkeeping."""
+        slots, src, dst = [], [], []
+        for seq_id, path in zip(seq_ids, paths):
+            tick, committed, parents, tokens = self._trees.get(seq_id, (None, 0, [], []))
+            if tick != self.tick:
+                raise RuntimeError(f"sequence {seq_id}: no tree from the latest forward to commit")
+            if not token_tree.is_path(parents, path):
+                raise ValueError(f"sequence {seq_id}: {list(path)} is not a path down from the root")
+            state = self.seqs[seq_id]
+            for depth, node in enumerate(path):
+                if node != depth:  # a node at its own depth's column is already in place
+                    slots.append(state.slot)
+                    src.append(committed + node)
+                    dst.append(committed + depth)
+            del state.cached[committed:]
+            state.cached.extend(tokens[node] for node in path)
+            del self._trees[seq_id]
+        if slots:
+            index = torch.tensor([slots, src, dst], dtype=torch.long).to(self.device)
+            self.pool.move(index[0], index[1], index[2])
+
+    def _run(self, t0: float, states: list[SequenceState], starts: list[int], feeds: list[list[int]],
+             num_logits: Sequence[int], trees: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
+        """One forward over the prepared rows (``trees``: per row, committed tokens fed and the tree's parents)."""
         T = max(len(f) for f in feeds)
         N = max(num_logits)
         end = max(st + len(f) for st, f in zip(starts, feeds))
         if self.static and T <= STATIC_MAX_TOKENS:
-            logits = self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end)
+            logits = self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end, trees)
         else:
-            logits = self._forward_dynamic(states, starts, feeds, num_logits, T, N, end)
+            logits = self._forward_dynamic(states, starts, feeds, num_logits, T, N, end, trees)
         self.tick += 1
         self.stats.calls += 1
         self.stats.tokens_fed += sum(len(f) for f in feeds)
@@ -202,7 +269,8 @@ class ModelRunner:
         dst.copy_(host.pin_memory() if dst.device.type == "cuda" else host, non_blocking=True)
 
     def _forward_static(self, slots: list[int], starts: list[int], feeds: list[list[int]], num_logits,
-                        T: int, N: int, end: int) -> torch.Tensor:  # [B, N, V]
+                        T: int, N: int, end: int, trees: list[tuple[int, list[int]]] | None = None
+                        ) -> torch.Tensor:  # [B, N, V]
         B = len(slots)
         Bb = batch_bucket(B) if self.pad_batch else B
         kv_len = self.kv_len_bucket(end)
@@ -214,8 +282,9 @@ class ModelRunner:
         ordered = [slots[b] for b in order]
         run = ordered == list(range(ordered[0], ordered[0] + B)) and ordered[0] + Bb <= self.pool.num_slots
         contiguous = ordered[0] if run else None
-        key = ("step", Bb, T, N, kv_len, contiguous)
-        bufs = self.static_buffers(key, {"inputs": ((Bb, 4 + T + N), torch.long)})
+        key = ("step" if trees is None else "tree", Bb, T, N, kv_len, contiguous)
+        width = 4 + T + N if trees is None else 4 + T + N + T + T * T
+        bufs = self.static_buffers(key, {"inputs": ((Bb, width), torch.long)})
         # One host tensor per step, one copy. Per row: [slot, start, length, output row, ids (T), logit
         # columns (N)]; padded rows feed nothing (length 0: their writes go to the scratch column).
         position = [0] * Bb
@@ -225,18 +294,28 @@ class ModelRunner:
                  *range(len(feeds[b]) - num_logits[b], len(feeds[b])), *([0] * (N - num_logits[b]))]
                 for i, b in enumerate(order)]
         rows += [[(ordered[0] + i) if run else 0, 0, 0, i, *([0] * (T + N))] for i in range(B, Bb)]
+        if trees is not None:  # then per row: positions (T), which fed tokens each one sees (T × T)
+            layouts = [token_tree.layout(starts[b], *trees[b], T) for b in order]
+            layouts += [token_tree.layout(0, 0, [], T)] * (Bb - B)  # padded rows feed nothing
+            for row, (positions, visible) in zip(rows, layouts):
+                row.extend(positions + [v for line in visible for v in line])
         self.upload(bufs["inputs"], rows)
         inputs = bufs["inputs"]
 
         def step():
+            tree = None
+            if trees is not None:
+                tree = inputs[:, 4 + T + N: 4 + 2 * T + N], inputs[:, 4 + 2 * T + N:].view(Bb, T, T) != 0
             logits = fwd.forward(self.model, self.pool, self.windows, inputs[:, 0], inputs[:, 1],
-                                 inputs[:, 4: 4 + T], inputs[:, 2], inputs[:, 4 + T:], kv_len, contiguous)
+                                 inputs[:, 4: 4 + T], inputs[:, 2], inputs[:, 4 + T: 4 + T + N], kv_len, contiguous,
+                                 tree)
             return logits.index_select(0, inputs[:, 3])  # back to the caller's row order
 
         return self.graphs.run(key, step)[:B]
 
     def _forward_dynamic(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]], num_logits,
-                         T: int, N: int, end: int) -> torch.Tensor:  # [B, N, V]
+                         T: int, N: int, end: int, trees: list[tuple[int, list[int]]] | None = None
+                         ) -> torch.Tensor:  # [B, N, V]
         B = len(states)
         # Rows in slot order, so that a contiguous run of slots is read as a view instead of gathered.
         # Built from Python lists in one go: for batch-1 decoding this bookkeeping is a visible share of
@@ -251,8 +330,14 @@ class ModelRunner:
         kv_len = min(self.max_len, -(-end // self.kv_bucket) * self.kv_bucket)
         contiguous = slots[0] if slots[-1] - slots[0] == B - 1 else None
         dev = self.device
+        tree = None
+        if trees is not None:
+            layouts = [token_tree.layout(starts[b], *trees[b], T) for b in order]
+            tree = (torch.tensor([p for p, _ in layouts], dtype=torch.long).to(dev),
+                    torch.tensor([v for _, v in layouts], dtype=torch.bool).to(dev))
         logits = fwd.forward(self.model, self.pool, self.windows, torch.tensor(slots, dtype=torch.long, device=dev),
-                             start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len, contiguous)
+                             start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len, contiguous,
+                             tree)
         if order != list(range(B)):
             inverse = [0] * B
             for i, b in enumerate(order):
