@@ -186,14 +186,9 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
     assert asyncio.run(_run_mixed(router, prompts[:16])) == references[:16]
 
 
-def test_killing_the_verifier_worker_ends_every_request_cleanly(router, transport, prompts, references):
-    """Compiled transport: the verifier replica's worker process is killed during 20 streaming requests.
-    Each request ends with its full reference output or an explicit error, never a wrong or truncated one;
-    the replica exits with its worker, Serve replaces both, and later requests are exact over a new worker."""
-    if transport == "handles":
-        pytest.skip("the stage workers of the compiled transport")
-    from ray import serve
-
+async def _streams_through_a_kill(router, prompts, references, victim_pid) -> list:
+    """20 streaming requests; once 3 steps ran, SIGKILL the process ``await victim_pid()`` names. Each
+    request's result: True (its full reference output), False (a wrong or truncated one) or "error"."""
     from deployments.api import GenerationFailed
 
     async def one(p, ref):
@@ -202,17 +197,27 @@ def test_killing_the_verifier_worker_ends_every_request_cleanly(router, transpor
         except GenerationFailed:
             return "error"
 
-    async def scenario():
-        tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts[:20], references[:20])]
-        start = (await router.info.remote())["stats"]["steps"]
-        while (await router.info.remote())["stats"]["steps"] < start + 3:
-            await asyncio.sleep(0.05)
-        stats = await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote()
-        os.kill(stats["pid"], signal.SIGKILL)
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+    tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts[:20], references[:20])]
+    start = (await router.info.remote())["stats"]["steps"]
+    while (await router.info.remote())["stats"]["steps"] < start + 3:
+        await asyncio.sleep(0.05)
+    os.kill(await victim_pid(), signal.SIGKILL)
+    return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+
+def test_killing_the_verifier_worker_ends_every_request_cleanly(router, transport, prompts, references):
+    """Compiled transport: the verifier replica's worker process is killed during 20 streaming requests.
+    Each request ends with its full reference output or an explicit error, never a wrong or truncated one;
+    the replica exits with its worker, Serve replaces both, and later requests are exact over a new worker."""
+    if transport == "handles":
+        pytest.skip("the stage workers of the compiled transport")
+    from ray import serve
+
+    async def worker_pid():
+        return (await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote())["pid"]
 
     old = router.info.remote().result()["workers"]["verifier"]
-    results = asyncio.run(scenario())
+    results = asyncio.run(_streams_through_a_kill(router, prompts, references, worker_pid))
     assert all(r is True or r == "error" for r in results), results
     deadline = time.monotonic() + 120
     while (new := router.info.remote().result()["workers"]["verifier"]) in ([], old) and time.monotonic() < deadline:
@@ -265,25 +270,12 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts,
         pytest.skip("needs a tensor-parallel group")
     from ray import serve
 
-    from deployments.api import GenerationFailed
-
-    async def one(p, ref):
-        try:
-            return await _collect_stream(router, p) == ref
-        except GenerationFailed:
-            return "error"
-
-    async def scenario():
-        tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts[:20], references[:20])]
-        start = (await router.info.remote())["stats"]["steps"]
-        while (await router.info.remote())["stats"]["steps"] < start + 3:
-            await asyncio.sleep(0.05)
+    async def rank_pid():
         group = (await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote())["group"]
         assert len(group["ranks"]) == 2, group
-        os.kill(group["ranks"][1]["pid"], signal.SIGKILL)  # a rank process crashes
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+        return group["ranks"][1]["pid"]  # a rank process crashes
 
-    results = asyncio.run(scenario())
+    results = asyncio.run(_streams_through_a_kill(router, prompts, references, rank_pid))
     assert all(r is True or r == "error" for r in results), results  # never a silently wrong answer
     later = [router.generate.remote(_request(p)).result().token_ids for p in prompts[20:24]]
     assert later == references[20:24]
