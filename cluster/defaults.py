@@ -12,5 +12,6 @@ ADAPTIVE = True
 CONFIDENCE_THRESHOLD = 0.0
 Q_TOP_K = 64
 NGRAM_MIN, NGRAM_MAX = 1, 4
+NGRAM_TREE_NODES = 0  # 0: the n-gram proposer drafts a chain; > 0: a token tree of up to that many nodes
 GOODPUT_GUARD = False
 MAX_TOKENS = 256

@@ -3,8 +3,16 @@
 For the longest suffix of the sequence (n_max down to n_min tokens) that occurred before, propose the γ
 tokens that followed its most recent earlier occurrence. Proposals are deterministic, i.e. q is one-hot
 on the proposed token, which the verifier handles exactly for greedy and sampled requests alike.
-An index from each n-gram to its latest end position is maintained as tokens arrive, so a step costs
+An index from each n-gram to its end positions is maintained as tokens arrive, so a step costs
 O(γ + n_max) per row instead of a scan of the history.
+
+With ``tree_nodes`` > 0 the proposal is a token tree (``ProposalBatch.parents``, issue 15): every distinct
+continuation of the suffix's earlier occurrences — longest suffix first, most recent occurrence first, then
+the shorter suffixes' — up to γ tokens each, merged into one tree with shared prefixes merged, until the
+tree holds ``tree_nodes`` nodes. The chain's proposal is the tree's first branch, so a tree step never
+accepts less than the chain step would. The tokens are deterministic (one-hot q), which tree acceptance
+handles exactly for greedy and sampled rows (``verifier/tree_acceptance.py``). Trees are in-process only
+for now: ``runtime.wire`` refuses a proposal that carries one.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ class _History:
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram → end position (exclusive) of its latest use
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram → end positions (exclusive), oldest first
 
     def truncate(self, length: int) -> None:
         if length < len(self.tokens):  # rare (resync): rebuild rather than track removals
@@ -36,7 +44,7 @@ class _History:
             end = len(self.tokens)
             for n in range(self.n_min, self.n_max + 1):
                 if end >= n:
-                    self.index[tuple(self.tokens[end - n:end])] = end
+                    self.index.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
             self.tokens.append(tok)
 
     def lookup(self, gamma: int) -> list[int]:
@@ -44,17 +52,42 @@ class _History:
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(toks) < n:
                 continue
-            end = self.index.get(tuple(toks[len(toks) - n:]))
-            if end is not None:
-                return toks[end:end + gamma]
+            ends = self.index.get(tuple(toks[len(toks) - n:]))
+            if ends:
+                return toks[ends[-1]:ends[-1] + gamma]
         return []
+
+    def lookup_tree(self, gamma: int, budget: int) -> tuple[list[int], list[int]]:  # parents, tokens
+        """Every distinct continuation (≤ γ tokens) of the suffix's earlier occurrences, in the order of the
+        class docstring, merged into a tree of at most ``budget`` nodes in topological order."""
+        toks = self.tokens
+        parents: list[int] = []
+        tokens: list[int] = []
+        child: dict[tuple[int, int], int] = {}  # (parent node, token) → node
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(toks) < n:
+                continue
+            for end in reversed(self.index.get(tuple(toks[len(toks) - n:]), ())):
+                node = -1
+                for tok in toks[end:end + gamma]:
+                    if (node, tok) not in child:
+                        if len(tokens) == budget:
+                            return parents, tokens
+                        child[node, tok] = len(tokens)
+                        parents.append(node)
+                        tokens.append(tok)
+                    node = child[node, tok]
+        return parents, tokens
 
 
 class NgramProposer:
-    def __init__(self, *, n_min: int = 1, n_max: int = 4):
+    def __init__(self, *, n_min: int = 1, n_max: int = 4, tree_nodes: int = 0):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        if tree_nodes < 0:
+            raise ValueError(f"tree_nodes must be >= 0 (0: chains), got {tree_nodes}")
         self.n_min, self.n_max = n_min, n_max
+        self.tree_nodes = tree_nodes
         self.histories: dict[int, _History] = {}
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -64,7 +97,7 @@ class NgramProposer:
     def propose(self, items: Sequence[ProposeItem]) -> ProposalBatch:
         t0 = time.perf_counter()
         seq_ids = [it.sync.seq_id for it in items]
-        resync, drafts = [], []
+        resync, drafts, parents = [], [], []
         for it in items:
             hist = self.histories.get(it.sync.seq_id)
             if hist is None and it.sync.base == 0:
@@ -72,15 +105,28 @@ class NgramProposer:
             if hist is None or len(hist.tokens) < it.sync.base:
                 resync.append(it.sync.seq_id)
                 drafts.append([])
+                parents.append([])
                 continue
             hist.truncate(it.sync.base)
             hist.extend(it.sync.tokens)
-            drafts.append(hist.lookup(it.gamma) if it.gamma > 0 else [])
+            if it.gamma <= 0:
+                drafts.append([])
+                parents.append([])
+            elif self.tree_nodes:
+                row_parents, row_tokens = hist.lookup_tree(it.gamma, self.tree_nodes)
+                drafts.append(row_tokens)
+                parents.append(row_parents)
+            else:
+                drafts.append(hist.lookup(it.gamma))
         batch = ProposalBatch.empty(seq_ids, resync)
         G = max((len(d) for d in drafts), default=0)
         batch.tokens = torch.zeros((len(items), G), dtype=torch.long)
         for b, d in enumerate(drafts):
             batch.tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+        if self.tree_nodes:
+            batch.parents = torch.full((len(items), G), -1, dtype=torch.long)
+            for b, p in enumerate(parents):
+                batch.parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         batch.lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         batch.draft_seconds = time.perf_counter() - t0
         return batch

@@ -60,6 +60,11 @@ class ProposalBatch:
     K = vocab size means dense). They are ``None`` when every row was drafted greedily: greedy drafts are
     verified against a one-hot q, which needs no data. A row drafted greedily inside a sampled batch
     carries a one-hot q (K entries, one of which holds 1.0).
+
+    ``parents`` makes every row a token tree (issue 15, ``runtime.token_tree``): row b's ``lengths[b]`` tokens
+    are nodes in topological order and ``parents[b, i]`` is node i's parent (-1: a child of the last
+    committed token). A chain is the tree ``[-1, 0, 1, ...]``; ``None`` (every proposer but the n-gram one
+    with ``tree_nodes``) means chains. Trees are in-process only for now (``runtime.wire`` refuses them).
     """
 
     seq_ids: list[int]
@@ -67,6 +72,7 @@ class ProposalBatch:
     lengths: torch.Tensor  # [B] int64, 0 <= lengths[b] <= G
     q_ids: torch.Tensor | None = None  # [B, G, K] int64
     q_probs: torch.Tensor | None = None  # [B, G, K] float32
+    parents: torch.Tensor | None = None  # [B, G] int64, -1 beyond lengths
     resync: list[int] = field(default_factory=list)  # seq_ids the proposer could not sync
     draft_seconds: float = 0.0  # time spent in draft forwards for this batch
 
@@ -83,6 +89,11 @@ class ProposalBatch:
     def row_tokens(self, b: int) -> list[int]:
         return self.tokens[b, : int(self.lengths[b])].tolist()
 
+    def row_parents(self, b: int) -> list[int]:
+        """Row b's tree (for chains too: ``[-1, 0, 1, ...]``)."""
+        n = int(self.lengths[b])
+        return list(range(-1, n - 1)) if self.parents is None else self.parents[b, :n].tolist()
+
     def select(self, seq_ids: Sequence[int]) -> "ProposalBatch":
         """The rows of ``seq_ids`` (each must be a row of this batch), in that order."""
         if list(seq_ids) == self.seq_ids:
@@ -96,6 +107,7 @@ class ProposalBatch:
             lengths=self.lengths[rows],
             q_ids=None if self.q_ids is None else self.q_ids[rows],
             q_probs=None if self.q_probs is None else self.q_probs[rows],
+            parents=None if self.parents is None else self.parents[rows],
             resync=[s for s in self.resync if s in keep],
             draft_seconds=self.draft_seconds,
         )
@@ -114,7 +126,7 @@ class VerifyOutcome:
     seq_ids: list[int]
     emitted: list[list[int]]  # accepted draft tokens + 1 recovered or bonus token; [] for resync rows
     num_accepted: list[int]  # accepted draft tokens per row
-    num_proposed: list[int]  # draft tokens that were verified per row
+    num_proposed: list[int]  # draft positions verified per row: the drafts of a chain, a tree's depth
     resync: list[int] = field(default_factory=list)  # seq_ids the verifier could not sync
     verify_seconds: float = 0.0
 

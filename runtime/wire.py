@@ -131,6 +131,8 @@ def _encode_proposal_body(batch: ProposalBatch) -> dict[str, Any]:
             f"proposal: tokens {tuple(batch.tokens.shape)} and lengths {tuple(batch.lengths.shape)} "
             f"do not fit {n} seq_ids"
         )
+    if batch.parents is not None:
+        raise WireError("proposal: token trees (parents) are in-process only for now")
     g = batch.tokens.shape[1]
     q: dict[str, Any] | None = None
     if (batch.q_ids is None) != (batch.q_probs is None):

@@ -6,6 +6,13 @@ x + d_1..d_γ and returns logits at the γ+1 positions that predict d_1..d_γ an
 recovered/bonus token, and the verifier commits those to its copy of the sequence. Rolling the KV cache
 back is implicit: the rejected drafts' K/V stay in the slot past the committed length and are
 overwritten by the next forward.
+
+A proposal that carries a token tree (``ProposalBatch.parents``, issue 15) is scored by one
+``ModelRunner.tree_forward`` over every node; ``greedy_accept_tree`` (all-greedy batches) or
+``tree_rejection_sample`` picks the accepted path plus one recovered/bonus token, and
+``ModelRunner.commit_paths`` moves the path's K/V to where a chain would have written them. The outcome is
+the same as a chain's: the emitted tokens, with the tree's depth as the positions proposed. Trees carry no
+draft q yet (one-hot q: the n-gram proposer), and the lossy threshold mode takes chains only.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from runtime.host_copy import fetch, to_device
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from runtime.runner import ModelRunner
 from runtime.sampling import sampling_tensors, warp_probs
+from runtime.token_tree import depths
 from verifier.rejection import adjust_threshold, greedy_accept, rejection_sample, threshold_accept
+from verifier.tree_acceptance import greedy_accept_tree, tree_rejection_sample
 
 
 @dataclass
@@ -66,17 +75,28 @@ class VerifyStage:
                                 num_accepted=[0] * len(items), num_proposed=[0] * len(items), resync=resync)
         if not live:
             return outcome
-        drafts = []
+        drafts, trees = [], []
         for it in live:
             b = prop_row.get(it.sync.seq_id)
             drafts.append(proposal.row_tokens(b) if b is not None else [])
+            trees.append(proposal.row_parents(b) if b is not None else [])
         G = max(len(d) for d in drafts)
-        logits = self.runner.forward([it.sync.seq_id for it in live], drafts, [len(d) + 1 for d in drafts])
-        output, accepted = self._accept(live, drafts, [prop_row.get(it.sync.seq_id, 0) for it in live],
-                                        proposal, logits[:, : G + 1])
-        # The step's one read back: emitted tokens and counts, O(B·γ) integers.
-        output, accepted = fetch(output, accepted)
-        output, accepted = output.tolist(), accepted.tolist()
+        ids = [it.sync.seq_id for it in live]
+        if proposal.parents is not None and G:
+            logits = self.runner.tree_forward(ids, trees, drafts)
+            output, accepted, path = self._accept_tree(live, drafts, trees, proposal, logits[:, : G + 1])
+            # The step's one read back: emitted tokens, counts and accepted paths, O(B·nodes) integers.
+            output, accepted, path = (t.tolist() for t in fetch(output, accepted, path))
+            self.runner.commit_paths(ids, [p[:n] for p, n in zip(path, accepted)])
+            proposed = [max(depths(t), default=-1) + 1 for t in trees]
+        else:
+            logits = self.runner.forward(ids, drafts, [len(d) + 1 for d in drafts])
+            output, accepted = self._accept(live, drafts, [prop_row.get(it.sync.seq_id, 0) for it in live],
+                                            proposal, logits[:, : G + 1])
+            # The step's one read back: emitted tokens and counts, O(B·γ) integers.
+            output, accepted = fetch(output, accepted)
+            output, accepted = output.tolist(), accepted.tolist()
+            proposed = [len(d) for d in drafts]
 
         index = {s: i for i, s in enumerate(outcome.seq_ids)}
         for b, it in enumerate(live):
@@ -85,11 +105,10 @@ class VerifyStage:
             i = index[it.sync.seq_id]
             outcome.emitted[i] = emitted
             outcome.num_accepted[i] = n
-            outcome.num_proposed[i] = len(drafts[b])
+            outcome.num_proposed[i] = proposed[b]
             self.runner.seqs[it.sync.seq_id].tokens.extend(emitted)
-        proposed = sum(len(d) for d in drafts)
-        if self.acceptance.mode == "threshold" and self.acceptance.dynamic_adjust and proposed:
-            rate = sum(accepted) / proposed
+        if self.acceptance.mode == "threshold" and self.acceptance.dynamic_adjust and sum(proposed):
+            rate = sum(accepted) / sum(proposed)
             self.threshold = adjust_threshold(self.threshold, rate, self.acceptance.target_rate)
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
@@ -110,10 +129,44 @@ class VerifyStage:
                                   dtype=torch.long).view(B, G + 1)
         draft_rows = to_device(draft_rows, dev)
         draft_tokens, num_draft = draft_rows[:, :G], draft_rows[:, G]
-        params = [it.sampling for it in live]
         threshold = self.acceptance.mode == "threshold"
-        if all(s.greedy for s in params) and not threshold:
+        if all(it.sampling.greedy for it in live) and not threshold:
             return greedy_accept(draft_tokens, num_draft, logits.argmax(-1))
+        target_probs, noise, coin_keys = self._target_draws(live, logits)
+        if threshold:
+            return threshold_accept(draft_tokens, num_draft, target_probs,
+                                    torch.full((B,), self.threshold, device=dev), noise)
+        uniform = rng.uniform(coin_keys, torch.arange(G, device=dev))
+        q = densify_q(proposal, prop_rows, logits.shape[-1], dev) if G else None
+        if q is not None:
+            q = q[:, :G]
+        return rejection_sample(draft_tokens, num_draft, target_probs, q, uniform, noise)
+
+    def _accept_tree(self, live: Sequence[VerifyItem], nodes: list[list[int]], parents: list[list[int]],
+                     proposal: ProposalBatch, logits: torch.Tensor,  # [B, N+1, V] on the runner's device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output [B, N+1], accepted [B], path [B, N]
+        """``_accept`` for token trees: the same draws (one coin per node, counter = node index)."""
+        if proposal.q_ids is not None or self.acceptance.mode == "threshold":
+            raise ValueError("token trees are verified with one-hot q and exact acceptance only "
+                             "(no draft q over trees, no threshold mode yet)")
+        B, N = len(live), logits.shape[1] - 1
+        dev = logits.device
+        rows = torch.tensor([t + [0] * (N - len(t)) + p + [-1] * (N - len(p)) + [len(t)]
+                             for t, p in zip(nodes, parents)], dtype=torch.long).view(B, 2 * N + 1)
+        rows = to_device(rows, dev)
+        tokens, tree, num_nodes = rows[:, :N], rows[:, N:2 * N], rows[:, 2 * N]
+        if all(it.sampling.greedy for it in live):
+            return greedy_accept_tree(tree, tokens, num_nodes, logits.argmax(-1))
+        target_probs, noise, coin_keys = self._target_draws(live, logits)
+        uniform = rng.uniform(coin_keys, torch.arange(N, device=dev))
+        return tree_rejection_sample(tree, tokens, num_nodes, target_probs, None, uniform, noise)
+
+    def _target_draws(self, live: Sequence[VerifyItem], logits: torch.Tensor,  # [B, T, V]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # p [B, T, V], noise [B, V], keys [B, 1, 2]
+        """The warped target distributions, each row's Exp(1) noise and its coin keys, from the row's
+        counter-based streams keyed by (seed, committed length)."""
+        dev = logits.device
+        params = [it.sampling for it in live]
         temperature, top_k, top_p = sampling_tensors(params, dev)
         truncate = any(not s.greedy and (0 < s.top_k < self.vocab_size or s.top_p < 1) for s in params)
         target_probs = warp_probs(logits, temperature, top_k, top_p, truncate=truncate)
@@ -121,12 +174,4 @@ class VerifyStage:
         positions = [len(self.runner.seqs[it.sync.seq_id].tokens) for it in live]
         vocab = torch.arange(logits.shape[-1], device=dev)
         noise = rng.exponential(rng.stream_keys(seeds, positions, rng.VERIFY_NOISE, dev).unsqueeze(1), vocab)
-        if threshold:
-            return threshold_accept(draft_tokens, num_draft, target_probs,
-                                    torch.full((B,), self.threshold, device=dev), noise)
-        uniform = rng.uniform(rng.stream_keys(seeds, positions, rng.VERIFY_COIN, dev).unsqueeze(1),
-                              torch.arange(G, device=dev))
-        q = densify_q(proposal, prop_rows, logits.shape[-1], dev) if G else None
-        if q is not None:
-            q = q[:, :G]
-        return rejection_sample(draft_tokens, num_draft, target_probs, q, uniform, noise)
+        return target_probs, noise, rng.stream_keys(seeds, positions, rng.VERIFY_COIN, dev).unsqueeze(1)
