@@ -63,7 +63,8 @@ class Result:
     headers: dict[str, str] = field(default_factory=dict)  # lower-case names
     body: bytes = b""  # the de-chunked body as received
     events: list = field(default_factory=list)  # server-sent event payloads: parsed JSON, or "[DONE]"
-    started: float = 0.0  # time.monotonic() when the request began
+    started: float = 0.0  # time.monotonic() when the request was on the wire (connected), or when it began
+    connect_s: float | None = None  # from the call to the connection being established
     first_byte_s: float | None = None
     latency_s: float | None = None  # until the last byte (or the failure)
     max_gap_s: float = 0.0  # longest wait between two events of a stream (from the first byte)
@@ -152,6 +153,10 @@ async def request(target: Target, method: str, path: str, body: Any = None, *, t
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(target.host, target.port)
+            # The clock starts with the request on the wire: how long this process's own event loop took to
+            # get to it (hundreds of connections opened at once, its GC) is not the server's latency. The
+            # server's accept and everything after it still count.
+            res.connect_s, res.started = time.monotonic() - res.started, time.monotonic()
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
             await writer.drain()
             await _read_response(reader, res, hang_up_after)
