@@ -352,7 +352,8 @@ class RouterSpec(_Spec):
         256, ge=0, description="Most requests waiting for a running slot; beyond it requests are rejected."
     )
     micro_batches: int = Field(
-        2, ge=1, le=8, description="Micro-batches kept in flight so draft pool and verifier work at the same time."
+        2, ge=1, le=8, description="Micro-batches kept in flight so draft pool and verifier work at the same time. "
+        "With router.stages 'local' both run in one process and cannot overlap: the router then uses 1."
     )
     request_timeout_s: float = Field(
         300.0, gt=0, description="A request still unfinished after this many seconds fails."
