@@ -383,6 +383,14 @@ class RouterSpec(_Spec):
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per router replica (Ray resource).")
 
+    @property
+    def step_micro_batches(self) -> int:
+        """The micro-batches the step loop runs: local stages run draft and verify in one process, one after
+        the other, where micro-batches taking turns overlap nothing and only split each forward in two
+        (measured, embedded pair, 16 concurrent HTTP requests on 2 cores: 370-440 tokens/s with 2,
+        470-550 with 1)."""
+        return 1 if self.stages == "local" else self.micro_batches
+
 
 class HttpSpec(_Spec):
     host: str = Field("127.0.0.1", min_length=1, description="Address the OpenAI-compatible HTTP server binds.")

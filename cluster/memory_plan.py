@@ -342,7 +342,7 @@ def _size(n: int) -> str:
 def draft_slots(cfg: "ClusterConfig") -> int:
     """KV slots of one draft replica: it never holds more sequences than the router runs, and holds at most
     one ``max_batch_size`` micro-batch per micro-batch slot when the pool has several replicas."""
-    return min(cfg.router.max_running, cfg.draft_pool.max_batch_size * max(1, cfg.router.micro_batches))
+    return min(cfg.router.max_running, cfg.draft_pool.max_batch_size * cfg.router.step_micro_batches)
 
 
 def target_device(cfg: "ClusterConfig") -> str:
@@ -369,7 +369,7 @@ def plan(cfg: "ClusterConfig") -> MemoryPlan:
     """The memory plan of ``cfg``; reads the model configs (never weights)."""
     from cluster.config import resolve_dtype
 
-    rows = math.ceil(cfg.router.max_running / max(1, cfg.router.micro_batches))
+    rows = math.ceil(cfg.router.max_running / cfg.router.step_micro_batches)
     max_len, gamma_max = cfg.target.max_model_len, cfg.speculation.gamma_max
     t_dev = target_device(cfg)
     target = ModelLoad(read_shape(cfg.target.path, "target.path"), t_dev,

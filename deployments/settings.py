@@ -23,14 +23,10 @@ def draft_spec(cfg: ClusterConfig):
 
 def engine_settings(cfg: ClusterConfig, *, max_slots: int | None = None) -> EngineSettings:
     spec = cfg.speculation
-    # Local stages run draft and verify in one process, one after the other: micro-batches taking turns
-    # overlap nothing and only split each forward in two (measured, embedded pair, 16 concurrent HTTP
-    # requests on 2 cores: 370-440 tokens/s with 2, 470-550 with 1).
-    micro_batches = 1 if cfg.router.stages == "local" else cfg.router.micro_batches
     return EngineSettings(
         target=target_spec(cfg), draft=draft_spec(cfg), device=cfg.target.device, dtype=cfg.target.dtype,
         max_len=cfg.target.max_model_len, max_slots=max_slots or cfg.router.max_running,
-        micro_batches=micro_batches, gamma=spec.gamma, gamma_min=spec.gamma_min,
+        micro_batches=cfg.router.step_micro_batches, gamma=spec.gamma, gamma_min=spec.gamma_min,
         gamma_max=spec.gamma_max, adaptive=spec.adaptive, confidence_threshold=spec.confidence_threshold,
         q_top_k=spec.q_top_k, ngram_min=cfg.draft.ngram_min, ngram_max=cfg.draft.ngram_max,
         acceptance=AcceptanceConfig(mode=spec.acceptance, threshold=spec.threshold or 0.9,
