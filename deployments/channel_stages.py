@@ -18,9 +18,11 @@ micro-batches' stage calls plus the releases not yet collected.
 Membership comes from the stage replicas: each owns a worker, which the router's ``WorkerDirectory``
 (``deployments.worker_directory``) finds and registers (``set_draft_workers`` / ``set_verifier_workers``).
 A stage with no worker registered (before the first is found, or after the last was lost) is called
-through ``fallback``, the Serve-handle ``RemoteStages``, whose replicas forward to their workers. Shard ``s`` goes to worker ``s mod n`` of its stage, so a micro-batch stays on
-one worker (its draft KV caches stay warm there) while membership is unchanged; after a change, a worker
-that never saw a sequence answers ``resync`` and the router re-prefills it, as with Serve handles.
+through ``fallback``, the Serve-handle ``RemoteStages``, whose replicas forward to their workers.
+
+Shard ``s`` goes to worker ``s mod n`` of its stage, so a micro-batch stays on one worker (its draft KV
+caches stay warm there) while membership is unchanged; after a change, a worker that never saw a
+sequence answers ``resync`` and the router re-prefills it, as with Serve handles.
 
 Faults, as with Serve handles (output unchanged: the verifier alone decides every emitted token):
 

@@ -5,10 +5,10 @@ benchmarks and the unit tests use — on the service's step thread. With ``route
 engine's stages are ``RemoteStages`` (one Serve call per step to the draft pool and one to the verifier),
 or with ``router.transport`` 'compiled' / 'actor' ``ChannelStages`` (each step's frames go to the stage
 replicas' workers through compiled-graph channels or actor calls; the handles remain its fallback and
-serve the liveness probes and /debug); with ``local`` both models run inside this replica. On this project's 2-core CPU VM a stage call cost
-~5 ms against ~8 ms for the embedded target's whole step, so local stages decode at twice the speed of
-remote ones (scripts/bench_served.py); the replica is then set up as a verifier replica would be
-(``deployments.replica_process``) before the models load.
+serve the liveness probes and /debug); with ``local`` both models run inside this replica. On this
+project's 2-core CPU VM a Serve-handle stage call cost ~5 ms against ~8 ms for the embedded target's whole
+step, so local stages decode at twice the speed of remote ones (scripts/bench_served.py); the replica is
+then set up as a verifier replica would be (``deployments.replica_process``) before the models load.
 
 Requests enter through ``generate`` / ``generate_stream`` (asyncio, on the replica's event loop). Admission
 is here: the request's checks, tokenization, the one context-length check, and the limit of
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 import dataclasses
 import os
 import time
+from collections import Counter
 
 from ray import serve
 
@@ -34,8 +34,8 @@ from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, G
                              Overloaded, RequestTimedOut, StageUnavailable)
 from deployments.metrics import RouterMetrics
 from deployments.replica_process import start_replica
-from deployments.settings import engine_settings, wire_limits
 from deployments.channel_stages import ChannelStages
+from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
 from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory
 from engine.assembly import make_engine
@@ -239,7 +239,7 @@ class Router:
         return out
 
     async def info(self) -> dict:
-        counted = [s for s in (self.handles, self.stages if self.stages is not self.handles else None) if s is not None]
+        counted = [s for s in {id(s): s for s in (self.handles, self.stages)}.values() if s is not None]
         reasons = sum((s.fallback_reasons for s in counted), Counter())
         workers = None
         if isinstance(self.stages, ChannelStages):

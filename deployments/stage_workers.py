@@ -3,7 +3,8 @@ compiled step loop (``deployments.channel_stages``).
 
 Ray Compiled Graphs bind actor methods, not Serve replicas, so a replica that takes part in the compiled
 transport owns one worker (pinned to the replica's node, see ``start_worker``) under a name the router
-discovers (``deployments.worker_directory``); Serve stays the control plane (replicas, autoscaling, placement, health).
+discovers (``deployments.worker_directory``); Serve stays the control plane (replicas, autoscaling,
+placement, health).
 
 One method, ``call``, serves every operation so that one compiled graph per worker carries them all: the
 first byte of the frame names the operation (``OP_PROPOSE``, ``OP_VERIFY``, ``OP_RELEASE``), the rest is
