@@ -47,10 +47,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from deployments.stage_workers import OP_PROPOSE, OP_RELEASE, OP_VERIFY
-from deployments.stages import DraftFallbacks, StageTimings
+from deployments.stages import StageFallbacks, StageTimings
 from engine.engine import Done
 from runtime import wire
-from runtime.protocol import ProposalBatch, ProposeItem, VerifyItem, VerifyOutcome
+from runtime.protocol import ProposalBatch, ProposeItem, VerifyItem
 
 log = logging.getLogger("specserve.channel_stages")
 
@@ -189,7 +189,7 @@ class _Membership:
             link.close()
 
 
-class ChannelStages(DraftFallbacks):
+class ChannelStages(StageFallbacks):
     draft_name = "draft worker"
 
     def __init__(self, limits: wire.WireLimits, *, transport: str = "compiled", draft_timeout_s: float,
@@ -280,11 +280,6 @@ class ChannelStages(DraftFallbacks):
             return outcome
 
         return _Pending(finish)
-
-    def _lost(self, seq_ids: list[int], exc: BaseException) -> VerifyOutcome:
-        log.warning("verify failed (%s: %s); %d sequences will re-prefill", type(exc).__name__, exc, len(seq_ids))
-        n = len(seq_ids)
-        return VerifyOutcome(seq_ids, [[] for _ in seq_ids], [0] * n, [0] * n, resync=list(seq_ids))
 
     # -- release -------------------------------------------------------------------------------------
 

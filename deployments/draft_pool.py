@@ -62,8 +62,8 @@ class DraftPool(StageHost):
 
     async def stats(self) -> dict:
         if self.worker is not None:
-            return {"actor_name": ray.get_runtime_context().get_actor_name(), **await self.worker.stats.remote()}
+            return await self._worker_stats()
         runner = getattr(self.proposer, "runner", None)
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls,
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.busy.calls,
                 "slots_in_use": runner.pool.slots_in_use if runner else 0,
                 "sequences": len(runner.seqs) if runner else len(getattr(self.proposer, "histories", {}))}

@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -34,7 +33,7 @@ from ray.exceptions import RayActorError
 from cluster.config import ClusterConfig
 from runtime import wire
 from deployments.replica_process import model_process_env, start_replica, thread_info, use_threads
-from deployments.stage_workers import start_worker
+from deployments.stage_workers import BusyLog, start_worker
 from deployments.worker_directory import worker_name
 
 log = logging.getLogger("specserve.stage_host")
@@ -52,8 +51,7 @@ class StageHost:
     def _init_host(self, limits: wire.WireLimits):
         self.limits = limits
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-model")
-        self._busy: deque = deque(maxlen=20000)  # (start, end) wall-clock seconds of each stage call
-        self.calls = 0
+        self.busy = BusyLog()
         self.worker = None
 
     def _start_worker(self, cfg: ClusterConfig, stage: str, role: str, build: Callable[[ClusterConfig], object],
@@ -81,6 +79,9 @@ class StageHost:
         """A handle call's frame, to this replica's worker, which decodes it with the same limits."""
         return await self.worker.call.remote(op + frame)
 
+    async def _worker_stats(self, **extra) -> dict:
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), **extra, **await self.worker.stats.remote()}
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, self._timed, fn, *args)
 
@@ -90,8 +91,7 @@ class StageHost:
         try:
             return fn(*args)
         finally:
-            self._busy.append((start, time.time()))
-            self.calls += 1
+            self.busy.add(start, time.time())
 
     @serve.multiplexed(max_num_models_per_replica=1024)
     async def _shard(self, shard: str) -> str:
@@ -115,4 +115,4 @@ class StageHost:
         """Wall-clock intervals this replica (or its worker) spent in stage calls (the overlap benchmark)."""
         if self.worker is not None:
             return await self.worker.busy_intervals.remote(since)
-        return [iv for iv in list(self._busy) if iv[1] >= since]
+        return self.busy.since(since)

@@ -31,15 +31,31 @@ from runtime import wire
 OP_PROPOSE, OP_VERIFY, OP_RELEASE = b"p", b"v", b"r"
 
 
+class BusyLog:
+    """The stage calls a process ran: how many, for how long, and their latest (start, end) wall-clock
+    intervals (for the overlap benchmark)."""
+
+    def __init__(self, keep: int = 20000):
+        self.calls = 0
+        self.seconds = 0.0
+        self._intervals: deque = deque(maxlen=keep)
+
+    def add(self, start: float, end: float) -> None:
+        self.calls += 1
+        self.seconds += end - start
+        self._intervals.append((start, end))
+
+    def since(self, t: float) -> list[tuple[float, float]]:
+        return [iv for iv in list(self._intervals) if iv[1] >= t]
+
+
 class StageWorker:
     """Runs ``proposer.propose`` / ``stage.verify`` / ``release`` for frames sent by the router."""
 
     def __init__(self, make_stage: Callable[[], object], limits: wire.WireLimits, slot_gauge: str | None = None):
         self.stage = make_stage()
         self.limits = limits
-        self.calls = 0
-        self.busy_seconds = 0.0
-        self._busy: deque = deque(maxlen=20000)  # (start, end) wall-clock seconds of each call
+        self.busy = BusyLog()
         self._lock = threading.Lock()
         self._runner = getattr(self.stage, "runner", None)
         self._slots = SlotGauge(slot_gauge) if slot_gauge is not None and self._runner is not None else None
@@ -51,9 +67,7 @@ class StageWorker:
             try:
                 return self._call(op, body)
             finally:
-                self.calls += 1
-                self.busy_seconds += time.time() - start
-                self._busy.append((start, time.time()))
+                self.busy.add(start, time.time())
                 if self._slots is not None:
                     self._slots.set(self._runner.pool.slots_in_use, self._runner.pool.num_slots)
 
@@ -72,11 +86,11 @@ class StageWorker:
         return True
 
     def busy_intervals(self, since: float = 0.0) -> list[tuple[float, float]]:
-        return [iv for iv in list(self._busy) if iv[1] >= since]
+        return self.busy.since(since)
 
     def stats(self) -> dict:
         runner = self._runner
-        return {"pid": os.getpid(), "calls": self.calls, "busy_seconds": self.busy_seconds,
+        return {"pid": os.getpid(), "calls": self.busy.calls, "busy_seconds": self.busy.seconds,
                 "slots_in_use": runner.pool.slots_in_use if runner is not None else 0,
                 "sequences": len(runner.seqs) if runner is not None else len(getattr(self.stage, "histories", {}))}
 

@@ -176,10 +176,11 @@ class _DraftDown(Exception):
     """The draft pool was marked down while a step waited on its proposal."""
 
 
-class DraftFallbacks:
-    """The draft side the stage transports share: a proposal frame checked, and target-only steps taken in
-    place of a draft, counted by reason and reported to ``on_fallback`` (the subclass sets ``fallbacks``,
-    ``fallback_reasons``, ``on_fallback``, ``limits`` and ``timings``)."""
+class StageFallbacks:
+    """What the stage transports share when a stage call fails: a proposal frame checked, target-only steps
+    taken in place of a draft (counted by reason and reported to ``on_fallback``), and a lost verify turned
+    into resyncs (the subclass sets ``fallbacks``, ``fallback_reasons``, ``on_fallback``, ``limits`` and
+    ``timings``)."""
 
     draft_name = "draft pool"
 
@@ -194,6 +195,11 @@ class DraftFallbacks:
         self.fallbacks += 1
         self.fallback_reasons[reason] += 1
         self.on_fallback(reason, n)
+
+    def _lost(self, seq_ids: list[int], exc: BaseException) -> VerifyOutcome:
+        log.warning("verify failed (%s: %s); %d sequences will re-prefill", type(exc).__name__, exc, len(seq_ids))
+        n = len(seq_ids)
+        return VerifyOutcome(seq_ids, [[] for _ in seq_ids], [0] * n, [0] * n, resync=list(seq_ids))
 
     def _proposal(self, data: bytes, seq_ids: list[int], bases: dict[int, int], started: float) -> ProposalBatch:
         """A draft's answer frame checked against the rows it was asked for; garbage is a target-only step.
@@ -212,7 +218,7 @@ class DraftFallbacks:
         return batch
 
 
-class RemoteStages(DraftFallbacks):
+class RemoteStages(StageFallbacks):
     def __init__(self, draft_handle, verifier_handle, limits: wire.WireLimits, *, draft_timeout_s: float,
                  verify_timeout_s: float, probe_interval_s: float, probe_timeout_s: float, on_fallback=None,
                  timings: StageTimings | None = None, shard_prefix: str = "mb"):
@@ -329,11 +335,6 @@ class RemoteStages(DraftFallbacks):
             return outcome
 
         return _Pending(response, finish, started)
-
-    def _lost(self, seq_ids: list[int], exc: BaseException) -> VerifyOutcome:
-        log.warning("verify failed (%s: %s); %d sequences will re-prefill", type(exc).__name__, exc, len(seq_ids))
-        n = len(seq_ids)
-        return VerifyOutcome(seq_ids, [[] for _ in seq_ids], [0] * n, [0] * n, resync=list(seq_ids))
 
     # -- release -------------------------------------------------------------------------------------
 

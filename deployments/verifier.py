@@ -78,11 +78,10 @@ class Verifier(StageHost):
 
     async def stats(self) -> dict:
         if self.worker is not None:
-            return {"actor_name": ray.get_runtime_context().get_actor_name(), "group": None,
-                    **await self.worker.stats.remote()}
+            return await self._worker_stats(group=None)
         runner = getattr(self.stage, "runner", None)
         health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.calls,
+        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.busy.calls,
                 "slots_in_use": runner.pool.slots_in_use if runner else None,
                 "sequences": len(runner.seqs) if runner else None,
                 "group": await asyncio.to_thread(health) if health is not None else None}
