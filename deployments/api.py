@@ -20,7 +20,8 @@ from typing import Annotated, Literal
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before Python 3.12
 
 from pydantic import (ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter,
-                      ValidationError, with_config)
+                      ValidationError, WrapValidator, with_config)
+from pydantic_core import PydanticCustomError
 
 
 class InvalidRequest(ValueError):
@@ -55,7 +56,23 @@ class RequestTimedOut(GenerationFailed):
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 1024
-Role = Literal["system", "developer", "user", "assistant"]
+
+# A field's own complaint replaces pydantic's wording: ``PREDICATE`` follows the field's path ("top_k must
+# be ..."), ``SENTENCE`` stands alone ("only n=1 is supported, got 2"); "{got}" in it shows the value.
+PREDICATE, SENTENCE = "predicate", "sentence"
+
+
+def says(message: str, kind: str = PREDICATE) -> WrapValidator:
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(kind, message, {"got": show(value)}) from None
+    return WrapValidator(check)
+
+
+ROLES = ("system", "developer", "user", "assistant")
+Role = Annotated[Literal[ROLES], says(f"must be one of {', '.join(ROLES)}, got {{got}}")]
 
 
 @with_config(ConfigDict(extra="forbid", strict=True))
@@ -68,7 +85,8 @@ class Message(TypedDict):
 
 
 def _range(kind, lo, hi):
-    return Annotated[kind, Field(ge=lo, le=hi)] | None
+    what = "an integer" if kind is StrictInt else "a number"
+    return Annotated[kind, Field(ge=lo, le=hi), says(f"must be {what} in [{lo}, {hi}], got {{got}}")] | None
 
 
 @dataclass
@@ -78,11 +96,13 @@ class GenerateRequest:
     messages: Annotated[list[Message], Strict(), Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     max_tokens: _range(StrictInt, 1, 1 << 20) = None  # None: the config's default
     temperature: _range(StrictFloat, 0.0, 2.0) = None  # None: the config's default; 0 = greedy
-    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0), says("must be in (0, 1], got {got}")] | None = None
     top_k: _range(StrictInt, 0, 1 << 20) = None
     seed: _range(StrictInt, -(1 << 63), (1 << 63) - 1) = None
     stop: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]], Strict(),
-                    Field(max_length=MAX_STOP_STRINGS)] = field(default_factory=list)
+                    Field(max_length=MAX_STOP_STRINGS),
+                    says(f"must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                         f"{MAX_STOP_LENGTH} characters")] = field(default_factory=list)
     ignore_eos: StrictBool = False
 
     def validate(self, *, vocab_size: int, has_tokenizer: bool) -> None:
@@ -108,20 +128,42 @@ class GenerateRequest:
 _FIELDS = TypeAdapter(GenerateRequest)
 
 
+_TYPES = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+          "float_type": "a number", "float_parsing": "a number", "bool_type": "a boolean",
+          "bool_parsing": "a boolean", "string_type": "a string"}
+# A container of the wrong shape, by its path with list indices as [].
+_SHAPES = {"messages": "must be a non-empty list of {role, content} objects",
+           "messages[]": "must be an object with role and content", "stream_options": "must be an object"}
+
+
 def invalid(err: ValidationError) -> InvalidRequest:
     """Pydantic's first complaint → ``InvalidRequest`` whose ``param`` is what the caller can act on: a
     top-level field, a stream option, or one message's field (``messages[0].role``); the message gives
     the full path."""
     first = err.errors(include_url=False)[0]
-    loc = first["loc"]
+    loc, kind, value = first["loc"], first["type"], first.get("input")
     where = field_path(loc)
     param = field_path(loc[:{"messages": 3, "stream_options": 2}.get(loc[0], 1)] if loc else ())
-    if first["type"] == "extra_forbidden":
+    shape = _SHAPES.get(field_path(["[]" if isinstance(p, int) else p for p in loc]).replace(".[]", "[]"))
+    if kind == "extra_forbidden":
+        if loc[0] == "stream_options":
+            return InvalidRequest(f"unrecognized stream option: {loc[-1]}", param)
+        if loc[0] == "messages":
+            return InvalidRequest(f"{field_path(loc[:-1])} has unsupported field {loc[-1]!r}", param)
         return InvalidRequest(f"unrecognized request argument supplied: {where}", param)
-    if first["type"] == "missing":
+    if kind == "missing" or (value is None and loc in (("prompt",), ("messages",))):
         return InvalidRequest(f"{where} is required", param)
+    if kind == SENTENCE:
+        return InvalidRequest(first["msg"], param)
+    if kind == PREDICATE:
+        return InvalidRequest(f"{where} {first['msg']}", param)
+    if shape is not None and not kind.startswith(("int", "float", "bool", "string")):
+        return InvalidRequest(f"{where} {shape}", param)
+    if kind in _TYPES:  # a string field's message never quoted the value
+        got = "" if kind == "string_type" else f", got {show(value)}"
+        return InvalidRequest(f"{where} must be {_TYPES[kind]}{got}", param)
     msg = first["msg"]
-    return InvalidRequest(f"{where}: {msg[:1].lower()}{msg[1:]} (got {show(first.get('input'))})", param)
+    return InvalidRequest(f"{where}: {msg[:1].lower()}{msg[1:]} (got {show(value)})", param)
 
 
 def field_path(loc) -> str | None:

@@ -3,7 +3,8 @@
     serve run deployments.app:build_app config=cluster/examples/local.yaml   # or args inline
     # YAML: applications: [{name: specserve, import_path: deployments.app:build_app, args: {...}}]
 
-``args`` is a ``ClusterConfig`` as a dict (native or seeds-shaped), or ``{"config": "path.yaml"}``.
+``args`` is a ``ClusterConfig`` as a dict (native or seeds-shaped), ``{"config": "path.yaml"}``, or a
+``ClusterConfig`` the caller validated already (``specserve serve``).
 The graph: Verifier (one replica per data-parallel group) ← DraftPool (N replicas, or none when the
 draft is colocated or absent) ← Router (step loop + handle API) ← OpenAI HTTP ingress; with
 ``router.stages: local``, just Router (step loop and both models) ← ingress.
@@ -49,7 +50,9 @@ INGRESS_ENV = {**SAME_LOOP_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 log = logging.getLogger(__name__)
 
 
-def load_config(args: dict[str, Any]) -> ClusterConfig:
+def load_config(args: ClusterConfig | dict[str, Any]) -> ClusterConfig:
+    if isinstance(args, ClusterConfig):  # validated by the caller (``specserve serve``)
+        return args
     if set(args) == {"config"}:
         return ClusterConfig.from_yaml(args["config"])
     return ClusterConfig.from_dict(args)
@@ -90,7 +93,7 @@ def check_local_node(cfg: ClusterConfig) -> None:
     app.check(host_available=memory_available(), include_system=False)
 
 
-def build_app(args: dict[str, Any]):
+def build_app(args: ClusterConfig | dict[str, Any]):
     cfg = load_config(args)
     if cfg.ray.address is None:
         check_local_node(cfg)

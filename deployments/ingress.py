@@ -57,7 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, ValidationInfo, WrapValidator, field_validator)
+                      ValidationError, ValidationInfo, field_validator)
 from pydantic_core import PydanticCustomError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -65,7 +65,8 @@ from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded, RequestTimedOut, Role, StageUnavailable, field_path, invalid, show)
+                             Overloaded, PREDICATE, RequestTimedOut, Role, SENTENCE, StageUnavailable, field_path,
+                             invalid, says, show)
 
 log = logging.getLogger("specserve.ingress")
 
@@ -315,19 +316,8 @@ def _integral(value):
 JsonInt = Annotated[StrictInt, BeforeValidator(_integral)]
 
 
-def _says(message: str):
-    """Replaces whatever the field's type reports with ``message`` (for fields whose one accepted
-    value pydantic would describe obscurely)."""
-    def check(value, handler):
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("unsupported", message) from None
-    return WrapValidator(check)
-
-
 def _off(kind):
-    return Annotated[kind | None, _says("not supported by this server; leave it unset")]
+    return Annotated[kind | None, says("is not supported by this server; leave it unset")]
 
 
 def _exactly(value: float):
@@ -338,7 +328,7 @@ def _one_prompt(value):
     """OpenAI's batched forms with a single prompt → that prompt; several → refused."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         if len(value) > 1:
-            raise PydanticCustomError("batch", "only one prompt per request is supported (n=1, no batched prompts)")
+            raise PydanticCustomError(SENTENCE, "only one prompt per request is supported (n=1, no batched prompts)")
         return value[0]
     return value
 
@@ -349,8 +339,8 @@ def _text_parts(value):
         return value
     if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str
                for p in value):
-        raise PydanticCustomError("parts", 'only text content is supported: a string or {"type": "text", '
-                                           '"text": ...} parts')
+        raise PydanticCustomError(PREDICATE, 'must be a string or {"type": "text", "text": ...} parts; only text '
+                                             'content is supported')
     return "".join(p["text"] for p in value)
 
 
@@ -373,7 +363,7 @@ class ChatMessage(_Strict):
     def _content(cls, value: str | None, info: ValidationInfo) -> str:
         if value is None:
             if info.data.get("role") != "assistant":  # an assistant turn that only called tools
-                raise PydanticCustomError("content", "required: a string or text parts")
+                raise PydanticCustomError(PREDICATE, "must be a string")
             return ""
         return value
 
@@ -390,10 +380,10 @@ class _OpenAIRequest(_Strict):
     top_k: JsonInt | None = None
     seed: JsonInt | None = None
     stop: Annotated[list[StrictStr] | None, BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
-                    _says("must be a string or a list of strings")] = None
-    n: Annotated[Annotated[StrictInt, Field(ge=1, le=1)] | None, _says("only n=1 is supported")] = None
+                    says("must be a string or a list of strings, got {got}")] = None
+    n: Annotated[Annotated[StrictInt, Field(ge=1, le=1)] | None, says("only n=1 is supported, got {got}", SENTENCE)] = None
     stream: StrictBool | None = None
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # (its messages: deployments.api._SHAPES)
     presence_penalty: _off(_exactly(0)) = None
     frequency_penalty: _off(_exactly(0)) = None
     logit_bias: _off(Annotated[dict, Field(max_length=0)]) = None
@@ -406,13 +396,13 @@ class _OpenAIRequest(_Strict):
     @classmethod
     def _only_streaming(cls, value, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):
-            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+            raise PydanticCustomError(PREDICATE, "is only allowed when stream is true")
         return value
 
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[StrictStr | Annotated[list[StrictInt], Field(min_length=1)],
-                      _says("must be a string or a non-empty list of token ids"), BeforeValidator(_one_prompt)]
+                      says("must be a string or a non-empty list of token ids"), BeforeValidator(_one_prompt)]
     echo: _off(Literal[False]) = None
     best_of: _off(_exactly(1)) = None
     suffix: _off(Literal[""]) = None
@@ -422,7 +412,8 @@ class ChatRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: JsonInt | None = None
     top_logprobs: _off(_exactly(0)) = None
-    response_format: Annotated[ResponseFormat | None, _says('only {"type": "text"} is supported')] = None
+    response_format: Annotated[ResponseFormat | None,
+                               says('only response_format {"type": "text"} is supported', SENTENCE)] = None
     tools: _off(Annotated[list, Field(max_length=0)]) = None
     tool_choice: _off(Literal["none"]) = None
     parallel_tool_calls: StrictBool | None = None
@@ -432,7 +423,7 @@ class ChatRequest(_OpenAIRequest):
     def _agrees(cls, value, info: ValidationInfo):
         theirs = info.data.get("max_tokens")
         if value is not None and theirs is not None and value != theirs:
-            raise PydanticCustomError("disagree", "max_tokens and max_completion_tokens disagree; send one")
+            raise PydanticCustomError(SENTENCE, "max_tokens and max_completion_tokens disagree; send one")
         return value
 
 

@@ -48,18 +48,23 @@ def _absolute(path: str | None) -> str | None:
 
 
 def load_launch_config(config_path: str | None, host: str | None = None, port: int | None = None) -> ClusterConfig:
+    """The config ``specserve serve`` deploys: validated here, once. What the launcher changes afterwards
+    (absolute model folders and key file, the command line's host and port) is checked by the section it
+    belongs to, so the model folders and tokenizers are not read again."""
     cfg = ClusterConfig.from_yaml(config_path) if config_path else _default_config()
-    args = cfg.to_serve_args()
-    args["target"]["path"] = _absolute(args["target"]["path"])
-    args["draft"]["path"] = _absolute(args["draft"]["path"])
-    key_file = args["http"]["api_key_file"]
+    http: dict[str, Any] = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    key_file = cfg.http.api_key_file
     if key_file is not None and not key_file.startswith("~"):
-        args["http"]["api_key_file"] = os.path.abspath(key_file)  # the ingress runs in another directory
-    if host is not None:
-        args["http"]["host"] = host
-    if port is not None:
-        args["http"]["port"] = port
-    return ClusterConfig.from_dict(args)
+        http["api_key_file"] = os.path.abspath(key_file)  # the ingress runs in another directory
+    return cfg.model_copy(update={
+        "target": cfg.target.model_copy(update={"path": _absolute(cfg.target.path)}),
+        "draft": cfg.draft.model_copy(update={"path": _absolute(cfg.draft.path)}),
+        "http": with_http(cfg.http, **http)})
+
+
+def with_http(http: HttpSpec, **changes: Any) -> HttpSpec:
+    """``http`` with ``changes``, validated as an http section."""
+    return HttpSpec.model_validate({**http.model_dump(), **changes}) if changes else http
 
 
 def _default_config() -> ClusterConfig:
@@ -116,20 +121,18 @@ def ray_auth_env(ray_cfg: RaySpec) -> dict[str, str]:
     return env
 
 
-def key_to_private_file(http: HttpSpec) -> tuple[dict[str, Any], Path | None]:
-    """``http`` as serve args with its API key moved into a fresh private file (``api_key_file``), and that
-    file (None without a key or with a key file already, which is checked). An inline key would sit in
-    Serve's config; a key in this process's environment would be inherited by every Ray process, so it
-    leaves the environment here."""
-    args = http.model_dump(mode="json")
+def key_to_private_file(http: HttpSpec) -> tuple[HttpSpec, Path | None]:
+    """``http`` with its API key moved into a fresh private file (``api_key_file``), and that file (None
+    without a key or with a key file already, which is checked). An inline key would sit in Serve's config;
+    a key in this process's environment would be inherited by every Ray process, so it leaves the
+    environment here."""
     key = http.resolve_api_key()  # a missing variable or file fails here, before Ray starts
     if http.api_key is None and http.api_key_env is None:
-        return args, None
+        return http, None
     if http.api_key_env is not None:
         del os.environ[http.api_key_env]
     file = private_copy(key, "api_key")
-    args.update(api_key=None, api_key_env=None, api_key_file=str(file))
-    return args, file
+    return with_http(http, api_key=None, api_key_env=None, api_key_file=str(file)), file
 
 
 def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
@@ -147,7 +150,6 @@ def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
 
     from deployments.app import build_app
 
-    args = cfg.to_serve_args()
     key_file = None
     try:
         if not ray.is_initialized():
@@ -155,7 +157,8 @@ def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
                 include_dashboard=cfg.ray.include_dashboard, log_to_driver=True,
                 runtime_env={"env_vars": {"RAY_AUTH_MODE": cfg.ray.auth_mode, "TOKENIZERS_PARALLELISM": "false"}})
             if cfg.ray.starts_local_cluster:
-                args["http"], key_file = key_to_private_file(cfg.http)  # before Ray starts: it inherits the env
+                http, key_file = key_to_private_file(cfg.http)  # before Ray starts: it inherits the env
+                cfg = cfg.model_copy(update={"http": http})
                 init_local_ray(**kwargs)
                 token = f" RAY_AUTH_TOKEN_PATH={env['RAY_AUTH_TOKEN_PATH']}" if "RAY_AUTH_TOKEN_PATH" in env else ""
                 print(f"[specserve] Ray listens on 127.0.0.1 only (GCS {ray.get_runtime_context().gcs_address}); "
@@ -164,7 +167,7 @@ def start(cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Path | None:
             else:
                 ray.init(address=cfg.ray.address, **kwargs)
         serve.start(http_options={"host": cfg.http.host, "port": proxy_port})
-        deploy(build_app(args), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
+        deploy(build_app(cfg), APP_NAME, route_prefix="/", timeout_s=timeout_s, progress=True)
     except BaseException:
         if key_file is not None:
             shutil.rmtree(key_file.parent, ignore_errors=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from cluster import defaults as D
@@ -141,3 +142,32 @@ def test_the_config_is_validated_once_per_deploy(counted, stages):
     expected = {"OpenAIIngress": {}, "Router": {"tokenizer reads": 1},
                 **({"Verifier": {}, "DraftPool": {}} if stages == "remote" else {})}
     assert _starts(app, counted) == expected
+
+
+def test_specserve_serve_validates_its_config_once(counted, tmp_path, monkeypatch):
+    """The launcher's path: read the file, make paths absolute, apply the command line's host and port, move
+    the API key into a private file, build the app — one validation in all, and the changes reach the app."""
+    from deployments.app import build_app
+    from deployments.launch import key_to_private_file, load_launch_config
+
+    pair = tiny_pair()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": pair.target, "device": "cpu", "max_model_len": 128},
+        "draft": {"kind": "model", "path": pair.draft},
+        "router": {"stages": "local", "max_running": 4, "micro_batches": 1},
+        "http": {"api_key_env": "SPECSERVE_UNIT_KEY"}}))
+    monkeypatch.setenv("SPECSERVE_UNIT_KEY", "sk-unit")
+    cfg = load_launch_config(str(config), host="127.0.0.2", port=8123)
+    http, key_file = key_to_private_file(cfg.http)
+    try:
+        app = build_app(cfg.model_copy(update={"http": http}))
+    finally:
+        key_file.unlink()
+        key_file.parent.rmdir()
+    assert counted == {"validations": 1}
+    bound = {name: args[0] for name, (_, args) in _deployments(app).items()}
+    assert {(c.http.host, c.http.port, c.http.api_key_file) for c in bound.values()} == {
+        ("127.0.0.2", 8123, str(key_file))}
+    with pytest.raises(ValueError, match="port"):
+        load_launch_config(str(config), port=70000)

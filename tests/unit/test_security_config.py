@@ -133,13 +133,15 @@ def test_api_key_from_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("http", [{"api_key": "sk-inline"}, {"api_key_env": "SPECSERVE_UNIT_KEY"}])
 def test_launcher_moves_the_key_into_a_private_file(http: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_UNIT_KEY", "sk-inline")
-    args, file = key_to_private_file(_cfg(http=http).http)
+    moved, file = key_to_private_file(_cfg(http=http).http)
     try:
         assert file is not None and file.read_text() == "sk-inline"
         assert stat.S_IMODE(file.stat().st_mode) == 0o600 and stat.S_IMODE(file.parent.stat().st_mode) == 0o700
+        args = moved.model_dump(mode="json")
         assert args["api_key"] is None and args["api_key_env"] is None and args["api_key_file"] == str(file)
         assert "sk-inline" not in str(args)
         assert "SPECSERVE_UNIT_KEY" not in os.environ or "api_key_env" not in http  # gone before Ray starts
+        assert moved.resolve_api_key() == "sk-inline"
         assert ClusterConfig.from_dict({**TINY, "http": args}).http.resolve_api_key() == "sk-inline"
     finally:
         file.unlink()
@@ -150,8 +152,8 @@ def test_launcher_leaves_no_key_and_key_files_alone(tmp_path: Path) -> None:
     assert key_to_private_file(_cfg().http)[1] is None
     key_file = tmp_path / "k"
     key_file.write_text("sk")
-    args, file = key_to_private_file(_cfg(http={"api_key_file": str(key_file)}).http)
-    assert file is None and args["api_key_file"] == str(key_file)
+    http, file = key_to_private_file(_cfg(http={"api_key_file": str(key_file)}).http)
+    assert file is None and http.api_key_file == str(key_file)
 
 
 def test_launcher_checks_the_key_file_and_makes_it_absolute(tmp_path: Path,
