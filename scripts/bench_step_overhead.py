@@ -17,10 +17,11 @@ Serve handle with Poisson arrivals of streaming requests and reports:
 
 Prints a table and writes JSON (default bench-out/step_overhead.json).
 
-``--null-model`` isolates transport instead: stages that answer at once (no model), reached through Serve
-handles (``RemoteStages``), direct actor calls and Ray Compiled Graph channels (``ChannelStages``) in one
-run; it reports p50/p99 round trip per stage call (msgpack encode/decode included), one call in flight and
-two micro-batches in flight (default bench-out/step_overhead_null.json).
+``--null-model`` isolates transport instead: stages that answer at once (no model) in Serve stage deployments
+built as the served app's are, reached through Serve handles (``RemoteStages``) and, in worker mode, through
+their stage workers by direct actor calls and Ray Compiled Graph channels (``ChannelStages``, membership from a
+``WorkerDirectory``), in one run; it reports p50/p99 round trip per stage call (msgpack encode/decode
+included), one call in flight and two micro-batches in flight (default bench-out/step_overhead_null.json).
 """
 
 from __future__ import annotations
@@ -216,32 +217,58 @@ class CodecStages:
         pass
 
 
-def null_host():
-    """A Serve stage deployment as DraftPool/Verifier are (StageHost: frames decoded with the wire limits, stage
-    work on the model thread), around a ``NullProposer``."""
+def null_stage(cfg) -> NullProposer:
+    """The stage a null replica's worker builds (``StageHost._start_worker``'s ``build``)."""
+    return NullProposer()
+
+
+def null_app(cfg):
+    """A Serve app of two stage deployments built as DraftPool and Verifier are (``StageHost``: frames decoded
+    with the wire limits, handle calls routed by shard key), around a ``NullProposer``. Under a worker transport
+    (``cfg.worker_stages``) each replica holds no stage: it starts its ``StageWorker`` on its node under the name
+    the router's ``WorkerDirectory`` finds it by, waits for it, and forwards handle calls to it — the served
+    path's worker mode, with a stage that answers at once."""
     from ray import serve
 
+    from deployments.settings import wire_limits
     from deployments.stage_host import StageHost
+    from deployments.stage_workers import OP_PROPOSE, OP_RELEASE, OP_VERIFY
     from runtime import wire
 
-    @serve.deployment(name="NullStage", ray_actor_options={"num_cpus": 0.5})
+    @serve.deployment(ray_actor_options={"num_cpus": 0.5})
     class NullStage(StageHost):
-        def __init__(self, limits):
-            self._init_host(limits)
-            self.stage = NullProposer()
+        def __init__(self, cfg, stage: str, peer=None):
+            # ``peer`` (the verifier, bound into the draft) only makes one app of both, as in the served app:
+            # a worker's name carries its app, and a directory lists one app's workers.
+            self._init_host(wire_limits(cfg))
+            self.stage = None
+            if stage in cfg.worker_stages:
+                role = "draft pool" if stage == "draft" else "verifier"
+                self._start_worker(cfg, stage, role, null_stage, threads=1, num_gpus=0,
+                                   slot_gauge="draft" if stage == "draft" else "target")
+            else:
+                self.stage = NullProposer()
 
         async def propose(self, frame: bytes) -> bytes:
             await self._affinity()
+            if self.worker is not None:
+                return await self._forward(OP_PROPOSE, frame)
             return wire.encode_proposal(await self._run(self.stage.propose, wire.decode_propose(frame, self.limits)))
 
         async def verify(self, frame: bytes) -> bytes:
             await self._affinity()
+            if self.worker is not None:
+                return await self._forward(OP_VERIFY, frame)
             return wire.encode_outcome(await self._run(self.stage.verify, *wire.decode_verify(frame, self.limits)))
 
         async def release(self, frame: bytes) -> None:
+            if self.worker is not None:
+                await self._forward(OP_RELEASE, frame)
+                return
             await self._run(self.stage.release, list(wire.decode_release(frame, self.limits).seq_ids))
 
-    return NullStage
+    verifier = NullStage.options(name="NullVerifier").bind(cfg, "verifier")
+    return NullStage.options(name="NullDraft").bind(cfg, "draft", verifier)
 
 
 def time_stages(stages, batch: int, gamma: int, steps: int, inflight: int) -> dict:
@@ -266,6 +293,9 @@ def time_stages(stages, batch: int, gamma: int, steps: int, inflight: int) -> di
 
 
 def run_null_model(args) -> list[dict]:
+    """Handles: a handles-transport app. Actor and compiled: a worker-mode app (router.transport 'compiled'), its
+    workers found by a ``WorkerDirectory`` and reached through ``ChannelStages`` with the Serve handles as
+    fallback, as the router does; every timed call must reach a worker (checked)."""
     import ray
     from ray import serve
 
@@ -273,22 +303,35 @@ def run_null_model(args) -> list[dict]:
     from deployments.channel_stages import ChannelStages
     from deployments.launch import deploy
     from deployments.settings import wire_limits
-    from deployments.stage_workers import start_worker
     from deployments.stages import RemoteStages
+    from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory
 
     app_args = {"target": {"path": args.target, "max_model_len": 512}, "draft": {"kind": "model", "path": args.draft},
                 "speculation": {"gamma": args.gamma, "adaptive": False}, "router": {"max_running": 64}}
-    limits = wire_limits(ClusterConfig.from_dict(app_args))
-    deploy(null_host().bind(limits), "null-draft", timeout_s=300)
-    deploy(null_host().bind(limits), "null-verify", timeout_s=300)
-    handles = RemoteStages(serve.get_deployment_handle("NullStage", app_name="null-draft"),
-                           serve.get_deployment_handle("NullStage", app_name="null-verify"), limits,
-                           draft_timeout_s=30, verify_timeout_s=30, probe_interval_s=0.5, probe_timeout_s=5)
-    transports = {"codec only": CodecStages(limits), "handle": handles}
+    cfgs = {app: ClusterConfig.from_dict({**app_args, "router": {"max_running": 64, "transport": transport}})
+            for app, transport in (("null-handles", "handles"), ("null-workers", "compiled"))}
+    limits = wire_limits(cfgs["null-handles"])
+    for app, cfg in cfgs.items():
+        deploy(null_app(cfg), app, timeout_s=300)
+
+    def handles(app: str) -> RemoteStages:  # probed as the router probes its stages
+        router = cfgs[app].router
+        return RemoteStages(serve.get_deployment_handle("NullDraft", app_name=app),
+                            serve.get_deployment_handle("NullVerifier", app_name=app), limits,
+                            draft_timeout_s=30, verify_timeout_s=30, probe_interval_s=router.probe_interval_s,
+                            probe_timeout_s=router.probe_timeout_s)
+
+    transports = {"codec only": CodecStages(limits), "handle": handles("null-handles")}
+    fallback = handles("null-workers")  # one, as in a router: the two ChannelStages stand for one router each in turn
+    directories = []
     for kind in ("actor", "compiled"):
-        stages = ChannelStages(limits, transport=kind, draft_timeout_s=30, verify_timeout_s=30)
-        stages.set_draft_workers({"draft-0": start_worker(NullProposer, limits)})
-        stages.set_verifier_workers({"verifier-0": start_worker(NullProposer, limits)})
+        stages = ChannelStages(limits, transport=kind, draft_timeout_s=30, verify_timeout_s=30, fallback=fallback)
+        directories.append(WorkerDirectory(stages, "null-workers", DIRECTORY_INTERVAL_S).start())
+        deadline = time.monotonic() + 60
+        while not (stages.drafts.all() and stages.verifiers.all()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the null app's stage workers were not registered within 60 s")
+            time.sleep(0.2)
         transports[kind] = stages
     results = []
     for repeat in range(args.repeats):  # interleaved, so load from other processes hits every transport alike
@@ -296,16 +339,23 @@ def run_null_model(args) -> list[dict]:
             time_stages(stages, args.null_batch, args.gamma, 20, 1)  # warm-up
             for inflight in (1, 2):
                 r = time_stages(stages, args.null_batch, args.gamma, args.null_steps, inflight)
-                results.append({"transport": kind, "inflight": inflight, "repeat": repeat, **r})
+                results.append({"transport": kind, "inflight": inflight, "repeat": repeat,
+                                "load_average_1min": os.getloadavg()[0], **r})
+    for kind in ("actor", "compiled"):
+        by_handles = {way: n for way, n in transports[kind].calls.items() if way.endswith("_handles")}
+        if by_handles:
+            raise RuntimeError(f"{kind}: calls went through the Serve handles, not the workers: {by_handles}")
+    for directory in directories:
+        directory.stop()
     for stages in transports.values():
         stages.close()
-    serve.delete("null-draft")
-    serve.delete("null-verify")
+    for app in cfgs:
+        serve.delete(app)
     ray.shutdown()
     return results
 
 
-def report_null_model(args, results: list[dict]) -> int:
+def report_null_model(args, results: list[dict], load: dict) -> int:
     header = ("transport", "in flight", "draft p50 ms", "draft p99 ms", "verify p50 ms", "verify p99 ms")
     rows = []
     for kind in ("codec only", "handle", "actor", "compiled"):
@@ -320,10 +370,13 @@ def report_null_model(args, results: list[dict]) -> int:
     print(f"(median over {args.repeats} interleaved repeats of {args.null_steps} steps; {args.null_batch} rows, "
           f"gamma {args.gamma}; per stage call, per micro-batch; "
           f"'codec only': msgpack encode/decode and the null stage in this process, no hop)")
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+        *load["before"], *load["after"]))
     out = Path(args.out if args.out != DEFAULT_OUT else "bench-out/step_overhead_null.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": f"{platform.node()} ({os.cpu_count()} CPUs, CPU only)",
-                               "date": time.strftime("%Y-%m-%d"), "args": vars(args), "results": results}, indent=2))
+                               "date": time.strftime("%Y-%m-%d"), "load_average": load, "args": vars(args),
+                               "results": results}, indent=2))
     print(f"wrote {out}")
     return 0
 
@@ -345,15 +398,17 @@ def main() -> int:
                         help="router.transport of the served modes, comma-separated (handles, compiled, actor)")
     parser.add_argument("--null-model", action="store_true", help="stages that answer at once: transport only")
     parser.add_argument("--null-batch", type=int, default=16, help="rows per micro-batch (--null-model)")
-    parser.add_argument("--null-steps", type=int, default=300, help="timed steps per repeat (--null-model)")
+    parser.add_argument("--null-steps", type=int, default=1000, help="timed steps per repeat (--null-model)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (--null-model)")
     args = parser.parse_args()
     args.transports = [t for t in args.transports.split(",") if t]
     if args.null_model:
         import ray
 
+        load_before = os.getloadavg()
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-        return report_null_model(args, run_null_model(args))
+        results = run_null_model(args)
+        return report_null_model(args, results, {"before": load_before, "after": os.getloadavg()})
 
     import ray
     import torch
