@@ -49,6 +49,16 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
+
+def group_limits(options: dict[str, Any], vocab_size: int) -> wire.WireLimits:
+    """The group's wire limits: the config's (``options["limits"]``, a dict across the actor boundary) with
+    the ranks' vocabulary, or, without a config, what the ranks' runners can hold."""
+    lim = {k: v for k, v in (options.get("limits") or {}).items() if k != "vocab_size"}
+    lim.setdefault("gamma_max", options["max_len"])
+    lim.setdefault("max_batch", min(options["max_slots"], wire.MAX_ROWS))
+    lim.setdefault("max_seq_len", options["max_len"])
+    return wire.WireLimits(vocab_size=vocab_size, **lim)
+
 class VerifierGroupError(RuntimeError):
     """The group lost a rank (and was rebuilt, unless ``rebuilt`` is False): retry the call."""
 
@@ -98,11 +108,7 @@ class VerifierRankActor:
                                  kv_bucket=opts.get("kv_bucket", 16), acceptance=acceptance,
                                  threads=threads, tp_grain_size=opts.get("tp_grain_size"),
                                  load=opts.get("load", "full"))
-        limits = opts.get("limits") or {}
-        self.limits = wire.WireLimits(vocab_size=self.tp.vocab_size,
-                                      gamma_max=limits.get("gamma_max", opts["max_len"]),
-                                      max_batch=limits.get("max_batch", min(opts["max_slots"], wire.MAX_ROWS)),
-                                      max_seq_len=limits.get("max_seq_len", opts["max_len"]))
+        self.limits = group_limits(opts, self.tp.vocab_size)
         return {**self.tp.info(), "vocab_size": self.tp.vocab_size, "node": ray.util.get_node_ip_address()}
 
     def verify(self, frame: bytes) -> bytes:
@@ -171,8 +177,7 @@ class VerifierGroup:
         self.options: dict[str, Any] = {
             "device": device, "dtype": dtype, "max_slots": max_slots, "max_len": max_len, "kv_bucket": kv_bucket,
             "acceptance": asdict(acceptance) if acceptance is not None else None,
-            "limits": ({"gamma_max": limits.gamma_max, "max_batch": limits.max_batch,
-                        "max_seq_len": limits.max_seq_len} if limits is not None else None),
+            "limits": asdict(limits) if limits is not None else None,
             "backend": backend, "cpu_shm_allreduce": cpu_shm_allreduce, "threads": self.threads,
             "threads_sharing": tp_size if strategy in ("STRICT_PACK", "PACK") else 1,
             "num_cpus": num_cpus, "num_gpus": num_gpus,
@@ -259,11 +264,7 @@ class VerifierGroup:
                                      timeout=self.setup_timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             raise VerifierGroupError(f"verifier group failed to start: {exc}") from exc
-        lim = self.options["limits"] or {}
-        self.limits = wire.WireLimits(vocab_size=self.rank_info[0]["vocab_size"],
-                                      gamma_max=lim.get("gamma_max", self.options["max_len"]),
-                                      max_batch=lim.get("max_batch", min(self.options["max_slots"], wire.MAX_ROWS)),
-                                      max_seq_len=lim.get("max_seq_len", self.options["max_len"]))
+        self.limits = group_limits(self.options, self.rank_info[0]["vocab_size"])
 
     def _teardown(self, graceful: bool = False) -> None:
         actors, self.actors = self.actors, []

@@ -10,9 +10,10 @@ With ``tree_nodes`` > 0 the proposal is a token tree (``ProposalBatch.parents``,
 continuation of the suffix's earlier occurrences — longest suffix first, most recent occurrence first, then
 the shorter suffixes' — up to γ tokens each, merged into one tree with shared prefixes merged, until the
 tree holds ``tree_nodes`` nodes. The chain's proposal is the tree's first branch, so a tree step never
-accepts less than the chain step would. The tokens are deterministic (one-hot q), which tree acceptance
-handles exactly for greedy and sampled rows (``verifier/tree_acceptance.py``). Trees are in-process only
-for now: ``runtime.wire`` refuses a proposal that carries one.
+accepts less than the chain step would. A row of ``ProposeItem.branch`` b > 0 gets the b-th distinct
+continuation in that order as a chain (none when there are fewer), whatever ``tree_nodes`` says. The tokens are deterministic (one-hot q), which tree acceptance
+handles exactly for greedy and sampled rows (``verifier/tree_acceptance.py``). ``runtime.wire`` carries
+trees to a remote verifier (``WireLimits.tree_nodes`` bounds their width).
 """
 
 from __future__ import annotations
@@ -57,26 +58,41 @@ class _History:
                 return toks[ends[-1]:ends[-1] + gamma]
         return []
 
-    def lookup_tree(self, gamma: int, budget: int) -> tuple[list[int], list[int]]:  # parents, tokens
-        """Every distinct continuation (≤ γ tokens) of the suffix's earlier occurrences, in the order of the
-        class docstring, merged into a tree of at most ``budget`` nodes in topological order."""
+    def continuations(self, gamma: int):
+        """The suffix's earlier occurrences' continuations (≤ γ tokens), in the order of the class docstring."""
         toks = self.tokens
-        parents: list[int] = []
-        tokens: list[int] = []
-        child: dict[tuple[int, int], int] = {}  # (parent node, token) → node
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(toks) < n:
                 continue
             for end in reversed(self.index.get(tuple(toks[len(toks) - n:]), ())):
-                node = -1
-                for tok in toks[end:end + gamma]:
-                    if (node, tok) not in child:
-                        if len(tokens) == budget:
-                            return parents, tokens
-                        child[node, tok] = len(tokens)
-                        parents.append(node)
-                        tokens.append(tok)
-                    node = child[node, tok]
+                yield toks[end:end + gamma]
+
+    def branch(self, gamma: int, b: int) -> list[int]:
+        """The b-th distinct continuation (0: ``lookup``'s), or [] when there are not that many."""
+        seen: set[tuple[int, ...]] = set()
+        for cont in self.continuations(gamma):
+            if tuple(cont) not in seen:
+                if len(seen) == b:
+                    return cont
+                seen.add(tuple(cont))
+        return []
+
+    def lookup_tree(self, gamma: int, budget: int) -> tuple[list[int], list[int]]:  # parents, tokens
+        """Every distinct continuation (≤ γ tokens) of the suffix's earlier occurrences, in the order of the
+        class docstring, merged into a tree of at most ``budget`` nodes in topological order."""
+        parents: list[int] = []
+        tokens: list[int] = []
+        child: dict[tuple[int, int], int] = {}  # (parent node, token) → node
+        for cont in self.continuations(gamma):
+            node = -1
+            for tok in cont:
+                if (node, tok) not in child:
+                    if len(tokens) == budget:
+                        return parents, tokens
+                    child[node, tok] = len(tokens)
+                    parents.append(node)
+                    tokens.append(tok)
+                node = child[node, tok]
         return parents, tokens
 
 
@@ -112,6 +128,9 @@ class NgramProposer:
             if it.gamma <= 0:
                 drafts.append([])
                 parents.append([])
+            elif it.branch:
+                drafts.append(hist.branch(it.gamma, it.branch))
+                parents.append(list(range(-1, len(drafts[-1]) - 1)))
             elif self.tree_nodes:
                 row_parents, row_tokens = hist.lookup_tree(it.gamma, self.tree_nodes)
                 drafts.append(row_tokens)

@@ -50,6 +50,11 @@ class ProposeItem:
     sync: SyncItem
     gamma: int  # draft tokens wanted; 0 asks the proposer only to sync
     sampling: SamplingParams = GREEDY
+    # Which of several candidate chains of the sequence this row drafts (``draft_num``: one per draft replica,
+    # merged into a tree by the router). 0 is the proposer's usual chain; branch b > 0 starts elsewhere —
+    # the draft's (b+1)-th most likely first token (greedy), a draw from a stream keyed by the branch
+    # (sampled), the n-gram proposer's b-th distinct continuation. Branch rows are verified with one-hot q.
+    branch: int = 0
 
 
 @dataclass
@@ -64,7 +69,8 @@ class ProposalBatch:
     ``parents`` makes every row a token tree (issue 15, ``runtime.token_tree``): row b's ``lengths[b]`` tokens
     are nodes in topological order and ``parents[b, i]`` is node i's parent (-1: a child of the last
     committed token). A chain is the tree ``[-1, 0, 1, ...]``; ``None`` (every proposer but the n-gram one
-    with ``tree_nodes``) means chains. Trees are in-process only for now (``runtime.wire`` refuses them).
+    with ``tree_nodes``) means chains. ``runtime.wire`` carries trees (a tree's width is bounded by
+    ``WireLimits.tree_nodes``).
     """
 
     seq_ids: list[int]

@@ -2,9 +2,10 @@
 
 Contract:
 - One frame per message: a msgpack map ``{"v": SCHEMA_VERSION, "kind": <kind>, ...}`` whose other keys
-  are exactly those of that kind. Integer and float columns travel as little-endian bytes (token ids and
-  lengths int32, seq ids int64, sparse q probabilities float32, sampling floats float64); sparse q is a
-  ``{"k": K, "ids": …, "probs": …}`` map next to an explicit ``shape`` of the draft tokens.
+  are exactly those of that kind. Integer and float columns travel as little-endian bytes (token ids,
+  lengths and tree parents int32, seq ids int64, sparse q probabilities float32, sampling floats float64);
+  sparse q is a ``{"k": K, "ids": …, "probs": …}`` map next to an explicit ``shape`` of the draft tokens;
+  a token tree's ``parents`` (``ProposalBatch.parents``) is a column of that shape too, nil for chains.
 - ``decode_*`` refuse a frame larger than ``MAX_FRAME_BYTES`` before unpacking, unpack with hard caps on
   every container (``unpackb`` has no ``max_buffer_size``: the size check plays its part), refuse ext
   types, and then check the message against ``WireLimits``. Every failure, whatever the bytes, raises
@@ -12,7 +13,15 @@ Contract:
 - ``encode_*`` take the dataclasses of ``runtime.protocol`` (and ``Release``) and raise ``WireError``
   only for values the format cannot carry (shapes that disagree, ints out of range); decoding is where
   messages are judged.
-- Decoded tensors are fresh CPU tensors (int64 ids/lengths, float32 probabilities) the caller may write.
+- Decoded tensors are fresh CPU tensors (int64 ids/lengths/parents, float32 probabilities) the caller may
+  write.
+
+Cost: a step sends a few frames of a batch's worth of rows, so per-row columns (seq ids, bases, lengths,
+sampling settings) are packed and checked as Python numbers with ``struct``: for a few dozen values a numpy
+call's fixed cost (~1 µs) is what dominates. Bulk columns (token ids, q, parents) are decoded as numpy
+arrays, and any column of more than ``_FEW`` values is checked as one. On the 2-core dev VM a 16-row, γ = 4
+propose → proposal round trip (both ends' encode and decode) takes ~0.08 ms and verify → outcome ~0.1 ms,
+about half of it building the ``runtime.protocol`` dataclasses row by row.
 
 Never pickle: everything that crosses a process boundary goes through here.
 """
@@ -20,7 +29,9 @@ Never pickle: everything that crosses a process boundary goes through here.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Any, Sequence
 
 import msgpack
@@ -36,7 +47,7 @@ from runtime.protocol import (
     VerifyOutcome,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: proposals carry ``parents`` (token trees), propose rows their ``branch``
 MAX_FRAME_BYTES = 64 << 20
 MAX_ROWS = 1 << 16  # the largest batch a frame may carry; also the msgpack array cap
 _MAX_MAP_LEN = 16
@@ -44,6 +55,11 @@ _MAX_STR_LEN = 64
 _PROB_SUM_SLACK = 1e-3  # float32 top-k probabilities may sum a little over 1
 
 _I32, _I64, _F32, _F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4"), np.dtype("<f8")
+_STRUCT_CODE = {_I32: "i", _I64: "q", _F32: "f", _F64: "d"}
+_INT_RANGE = {dt: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in (_I32, _I64)}
+# Up to this many values a column is cheaper as Python numbers (struct) than as an array: numpy's fixed cost
+# per call (~1 µs) outweighs Python's per value below it.
+_FEW = 256
 
 
 class WireError(ValueError):
@@ -52,18 +68,24 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class WireLimits:
-    """What a valid message may contain; built from the config and the target's vocabulary."""
+    """What a valid message may contain; built from the config and the target's vocabulary.
+
+    ``tree_nodes`` bounds a token tree's width (its node count, ``ProposalBatch.tokens.shape[1]`` when
+    ``parents`` is set) where it exceeds ``gamma_max``; chains are bounded by ``gamma_max``."""
 
     vocab_size: int
     gamma_max: int
     max_batch: int
     max_seq_len: int
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "gamma_max", "max_batch", "max_seq_len"):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value < 2**31:
                 raise ValueError(f"WireLimits.{name} must be an int in [1, 2**31), got {value!r}")
+        if type(self.tree_nodes) is not int or not 0 <= self.tree_nodes < 2**31:
+            raise ValueError(f"WireLimits.tree_nodes must be an int in [0, 2**31), got {self.tree_nodes!r}")
         if self.max_batch > MAX_ROWS:
             raise ValueError(f"WireLimits.max_batch must be ≤ {MAX_ROWS}, got {self.max_batch}")
 
@@ -79,25 +101,30 @@ class Release:
 
 
 def _ints(values: Any, dtype: np.dtype, what: str) -> bytes:
-    if isinstance(values, torch.Tensor):
+    """A tensor (flattened) or a sequence of ints as little-endian ``dtype``."""
+    if isinstance(values, torch.Tensor) and values.numel() > _FEW:
         arr = values.detach().to("cpu", torch.int64).numpy()
-    else:
-        try:
-            arr = np.asarray(values, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError) as e:
-            raise WireError(f"{what}: not encodable as {dtype}: {e}") from None
-    info = np.iinfo(dtype)
-    if arr.size and (arr.min() < info.min or arr.max() > info.max):
-        raise WireError(f"{what}: values outside {dtype}'s range [{info.min}, {info.max}]")
-    return arr.astype(dtype).tobytes()
+        lo, hi = _INT_RANGE[dtype]
+        if arr.min() < lo or arr.max() > hi:
+            raise WireError(f"{what}: values outside {dtype}'s range [{lo}, {hi}]")
+        return arr.astype(dtype).tobytes()
+    return _struct_pack(values, dtype, what)
 
 
 def _floats(values: Any, dtype: np.dtype, what: str) -> bytes:
-    if isinstance(values, torch.Tensor):
+    """A tensor (flattened) or a sequence of floats as little-endian ``dtype``."""
+    if isinstance(values, torch.Tensor) and values.numel() > _FEW:
         return values.detach().to("cpu", torch.float32).numpy().astype(dtype).tobytes()
+    return _struct_pack(values, dtype, what)
+
+
+def _struct_pack(values: Any, dtype: np.dtype, what: str) -> bytes:
+    # struct checks each value's type and range as it packs it: no array to build and scan for a batch's rows.
+    if isinstance(values, torch.Tensor):
+        values = values.reshape(-1).tolist()
     try:
-        return np.asarray(values, dtype=dtype).tobytes()
-    except (TypeError, ValueError) as e:
+        return struct.pack(f"<{len(values)}{_STRUCT_CODE[dtype]}", *values)
+    except (struct.error, TypeError, OverflowError) as e:
         raise WireError(f"{what}: not encodable as {dtype}: {e}") from None
 
 
@@ -116,7 +143,7 @@ def _encode_rows(syncs: Sequence[SyncItem], samplings: Sequence[SamplingParams])
         "seq_ids": _ints([s.seq_id for s in syncs], _I64, "seq_ids"),
         "base": _ints([s.base for s in syncs], _I32, "base"),
         "tok_lens": _ints([len(s.tokens) for s in syncs], _I32, "tok_lens"),
-        "tokens": _ints([t for s in syncs for t in s.tokens], _I32, "tokens"),
+        "tokens": _ints(list(chain.from_iterable(s.tokens for s in syncs)), _I32, "tokens"),
         "temperature": _floats([p.temperature for p in samplings], _F64, "temperature"),
         "top_p": _floats([p.top_p for p in samplings], _F64, "top_p"),
         "top_k": _ints([p.top_k for p in samplings], _I32, "top_k"),
@@ -131,9 +158,12 @@ def _encode_proposal_body(batch: ProposalBatch) -> dict[str, Any]:
             f"proposal: tokens {tuple(batch.tokens.shape)} and lengths {tuple(batch.lengths.shape)} "
             f"do not fit {n} seq_ids"
         )
-    if batch.parents is not None:
-        raise WireError("proposal: token trees (parents) are in-process only for now")
     g = batch.tokens.shape[1]
+    parents = None
+    if batch.parents is not None:
+        if tuple(batch.parents.shape) != (n, g):
+            raise WireError(f"proposal: parents {tuple(batch.parents.shape)} must be the tokens' shape [{n}, {g}]")
+        parents = _ints(batch.parents, _I32, "parents")
     q: dict[str, Any] | None = None
     if (batch.q_ids is None) != (batch.q_probs is None):
         raise WireError("proposal: q_ids and q_probs must be both set or both None")
@@ -147,6 +177,7 @@ def _encode_proposal_body(batch: ProposalBatch) -> dict[str, Any]:
         "shape": [n, g],
         "tokens": _ints(batch.tokens, _I32, "tokens"),
         "lengths": _ints(batch.lengths, _I32, "lengths"),
+        "parents": parents,
         "q": q,
         "resync": _ints(batch.resync, _I64, "resync"),
         "draft_seconds": float(batch.draft_seconds),
@@ -157,6 +188,7 @@ def encode_propose(items: Sequence[ProposeItem]) -> bytes:
     """Router → draft pool."""
     rows = _encode_rows([i.sync for i in items], [i.sampling for i in items])
     rows["gamma"] = _ints([i.gamma for i in items], _I32, "gamma")
+    rows["branch"] = _ints([i.branch for i in items], _I32, "branch")
     return _pack({"v": SCHEMA_VERSION, "kind": "propose", **rows})
 
 
@@ -182,7 +214,7 @@ def encode_outcome(outcome: VerifyOutcome) -> bytes:
             "kind": "outcome",
             "seq_ids": _ints(outcome.seq_ids, _I64, "seq_ids"),
             "emit_lens": _ints([len(e) for e in outcome.emitted], _I32, "emit_lens"),
-            "emitted": _ints([t for e in outcome.emitted for t in e], _I32, "emitted"),
+            "emitted": _ints(list(chain.from_iterable(outcome.emitted)), _I32, "emitted"),
             "num_accepted": _ints(outcome.num_accepted, _I32, "num_accepted"),
             "num_proposed": _ints(outcome.num_proposed, _I32, "num_proposed"),
             "resync": _ints(outcome.resync, _I64, "resync"),
@@ -244,23 +276,37 @@ def _unpack(data: Any, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
 def _map(value: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected a map, got {type(value).__name__}")
-    if set(value) != set(keys):
+    if value.keys() != set(keys):
         missing = sorted(set(keys) - set(value))
         extra = sorted(map(repr, set(value) - set(keys)))
         raise WireError(f"{what}: wrong keys (missing {missing}, unexpected {extra})")
     return value
 
 
-def _column(m: dict[str, Any], key: str, dtype: np.dtype, what: str, n: int | None = None) -> np.ndarray:
+def _raw(m: dict[str, Any], key: str, dtype: np.dtype, what: str, n: int | None = None) -> bytes:
+    """``m[key]``, checked to be bytes holding a whole number of ``dtype`` values (exactly ``n`` if given)."""
     raw = m[key]
     if type(raw) is not bytes:
         raise WireError(f"{what}.{key}: expected bytes, got {type(raw).__name__}")
     if len(raw) % dtype.itemsize:
         raise WireError(f"{what}.{key}: {len(raw)} bytes is not a whole number of {dtype.itemsize}-byte values")
-    arr = np.frombuffer(raw, dtype=dtype)
-    if n is not None and arr.size != n:
-        raise WireError(f"{what}.{key}: {arr.size} values, expected {n}")
-    return arr
+    if n is not None and len(raw) // dtype.itemsize != n:
+        raise WireError(f"{what}.{key}: {len(raw) // dtype.itemsize} values, expected {n}")
+    return raw
+
+
+def _numbers(raw: bytes, dtype: np.dtype) -> tuple:
+    return struct.unpack(f"<{len(raw) // dtype.itemsize}{_STRUCT_CODE[dtype]}", raw)
+
+
+def _values(m: dict[str, Any], key: str, dtype: np.dtype, what: str, n: int | None = None) -> tuple:
+    """A per-row column as Python numbers."""
+    return _numbers(_raw(m, key, dtype, what, n), dtype)
+
+
+def _column(m: dict[str, Any], key: str, dtype: np.dtype, what: str, n: int | None = None) -> np.ndarray:
+    """A bulk column as a read-only array over the frame's bytes."""
+    return np.frombuffer(_raw(m, key, dtype, what, n), dtype=dtype)
 
 
 def _int(value: Any, what: str, lo: int, hi: int) -> int:
@@ -278,28 +324,40 @@ def _seconds(value: Any, what: str) -> float:
 # ---- decoding: semantics -----------------------------------------------------------------------
 
 
-def _in_range(arr: np.ndarray, lo: int, hi: int, what: str) -> None:
-    """All of ``arr`` in [lo, hi)."""
-    bad = np.flatnonzero((arr < lo) | (arr >= hi))
-    if bad.size:
-        raise WireError(f"{what}: value {int(arr[bad[0]])} at index {int(bad[0])} is outside [{lo}, {hi})")
+def _in_range(values: tuple | np.ndarray, lo: int, hi: int, what: str) -> None:
+    """All of ``values`` (per-row numbers, or a flat bulk column) in [lo, hi)."""
+    if not len(values):
+        return
+    if isinstance(values, np.ndarray) and values.size > _FEW:
+        low, high = values.min(), values.max()
+    else:
+        few = values.tolist() if isinstance(values, np.ndarray) else values
+        low, high = min(few), max(few)
+    if low < lo or high >= hi:
+        i = next(i for i, v in enumerate(values) if not lo <= v < hi)
+        raise WireError(f"{what}: value {int(values[i])} at index {i} is outside [{lo}, {hi})")
 
 
-def _seq_ids(m: dict[str, Any], what: str, limits: WireLimits) -> np.ndarray:
-    ids = _column(m, "seq_ids", _I64, what)
-    if ids.size > limits.max_batch:
-        raise WireError(f"{what}: batch of {ids.size} exceeds max_batch ({limits.max_batch})")
-    _in_range(ids, 0, np.iinfo(_I64).max, f"{what}.seq_ids")
-    if np.unique(ids).size != ids.size:
+def _seq_ids(m: dict[str, Any], what: str, limits: WireLimits) -> tuple[int, ...]:
+    raw = _raw(m, "seq_ids", _I64, what)
+    if len(raw) // _I64.itemsize > limits.max_batch:
+        raise WireError(f"{what}: batch of {len(raw) // _I64.itemsize} exceeds max_batch ({limits.max_batch})")
+    ids = _numbers(raw, _I64)
+    _in_range(ids, 0, _INT_RANGE[_I64][1], f"{what}.seq_ids")
+    if len(set(ids)) != len(ids):
         raise WireError(f"{what}.seq_ids: duplicate seq ids")
     return ids
 
 
-def _resync(m: dict[str, Any], what: str, seq_ids: np.ndarray) -> np.ndarray:
-    resync = _column(m, "resync", _I64, what)
-    if np.unique(resync).size != resync.size:
+def _resync(m: dict[str, Any], what: str, seq_ids: tuple[int, ...]) -> tuple[int, ...]:
+    raw = _raw(m, "resync", _I64, what)
+    if len(raw) // _I64.itemsize > len(seq_ids):
+        raise WireError(f"{what}.resync: more seq ids than the batch has")
+    resync = _numbers(raw, _I64)
+    named = set(resync)
+    if len(named) != len(resync):
         raise WireError(f"{what}.resync: duplicate seq ids")
-    if not np.isin(resync, seq_ids).all():
+    if not named <= set(seq_ids):
         raise WireError(f"{what}.resync: names seq ids that are not in the batch")
     return resync
 
@@ -310,27 +368,33 @@ def _token_ids(m: dict[str, Any], key: str, what: str, limits: WireLimits, n: in
     return ids
 
 
+def _resync_rows_empty(seq_ids: Sequence[int], resync: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether every resync row has length 0 (a stage that could not sync a row drafts/emits nothing)."""
+    named = set(resync)
+    return not named or not any(n for s, n in zip(seq_ids, lengths) if s in named)
+
+
 _ROW_KEYS = ("seq_ids", "base", "tok_lens", "tokens", "temperature", "top_p", "top_k", "seed")
 
 
 def _decode_rows(
     m: dict[str, Any], what: str, limits: WireLimits
-) -> tuple[np.ndarray, list[SyncItem], list[SamplingParams]]:
+) -> tuple[tuple[int, ...], list[SyncItem], list[SamplingParams]]:
     seq_ids = _seq_ids(m, what, limits)
-    n = seq_ids.size
-    base = _column(m, "base", _I32, what, n).astype(np.int64)
-    tok_lens = _column(m, "tok_lens", _I32, what, n).astype(np.int64)
+    n = len(seq_ids)
+    base = _values(m, "base", _I32, what, n)
+    tok_lens = _values(m, "tok_lens", _I32, what, n)
     _in_range(base, 0, limits.max_seq_len + 1, f"{what}.base")
     _in_range(tok_lens, 0, limits.max_seq_len + 1, f"{what}.tok_lens")
-    _in_range(base + tok_lens, 0, limits.max_seq_len + 1, f"{what}: base + len(tokens)")
-    tokens = _token_ids(m, "tokens", what, limits, int(tok_lens.sum())).tolist()
+    _in_range(tuple(map(int.__add__, base, tok_lens)), 0, limits.max_seq_len + 1, f"{what}: base + len(tokens)")
+    tokens = _token_ids(m, "tokens", what, limits, sum(tok_lens)).tolist()
 
-    temperature = _column(m, "temperature", _F64, what, n)
-    top_p = _column(m, "top_p", _F64, what, n)
-    top_k = _column(m, "top_k", _I32, what, n)
-    if not (np.isfinite(temperature).all() and (temperature >= 0).all()):
+    temperature = _values(m, "temperature", _F64, what, n)
+    top_p = _values(m, "top_p", _F64, what, n)
+    top_k = _values(m, "top_k", _I32, what, n)
+    if not all(0.0 <= t < math.inf for t in temperature):  # NaN fails every comparison
         raise WireError(f"{what}.temperature: must be finite and ≥ 0")
-    if not (np.isfinite(top_p).all() and (top_p > 0).all() and (top_p <= 1).all()):
+    if not all(0.0 < p <= 1.0 for p in top_p):
         raise WireError(f"{what}.top_p: must be in (0, 1]")
     _in_range(top_k, 0, 2**31 - 1, f"{what}.top_k")
     seeds = m["seed"]
@@ -339,19 +403,29 @@ def _decode_rows(
     if not all(s is None or type(s) is int for s in seeds):
         raise WireError(f"{what}.seed: expected ints or nils")
 
-    syncs, samplings, start = [], [], 0
-    for b, (sid, bs, length) in enumerate(zip(seq_ids.tolist(), base.tolist(), tok_lens.tolist())):
-        syncs.append(SyncItem(seq_id=sid, base=bs, tokens=tuple(tokens[start : start + length])))
-        start += length
-        samplings.append(
-            SamplingParams(
-                temperature=float(temperature[b]), top_p=float(top_p[b]), top_k=int(top_k[b]), seed=seeds[b]
-            )
-        )
+    ends = accumulate(tok_lens)
+    syncs = [SyncItem(sid, bs, tuple(tokens[end - length : end]))
+             for sid, bs, length, end in zip(seq_ids, base, tok_lens, ends)]
+    shared: dict[tuple, SamplingParams] = {}  # rows mostly share one setting: one (frozen) object for them
+    samplings = [shared.get(s) or shared.setdefault(s, SamplingParams(*s))  # SamplingParams' field order
+                 for s in zip(temperature, top_p, top_k, seeds)]
     return seq_ids, syncs, samplings
 
 
-_PROPOSAL_KEYS = ("seq_ids", "shape", "tokens", "lengths", "q", "resync", "draft_seconds")
+_PROPOSAL_KEYS = ("seq_ids", "shape", "tokens", "lengths", "parents", "q", "resync", "draft_seconds")
+
+
+def _decode_parents(m: dict[str, Any], what: str, lengths: np.ndarray, n: int, g: int) -> torch.Tensor:
+    """A token tree's ``parents`` [B, G]: node i's parent is -1 or an earlier node; -1 beyond the row's length."""
+    parents = _column(m, "parents", _I32, what, n * g).reshape(n, g)  # [B, G]
+    node = np.arange(g)[None, :]  # [1, G]
+    valid = np.where(node < lengths[:, None], (parents >= -1) & (parents < node), parents == -1)  # [B, G]
+    bad = np.argwhere(~valid)
+    if bad.size:
+        b, i = (int(x) for x in bad[0])
+        rule = "-1 or an earlier node" if i < lengths[b] else "-1 beyond the row's length"
+        raise WireError(f"{what}.parents: row {b} node {i}: parent {int(parents[b, i])} is not {rule}")
+    return torch.from_numpy(parents.astype(np.int64))
 
 
 def _decode_proposal_body(m: dict[str, Any], what: str, limits: WireLimits) -> ProposalBatch:
@@ -359,14 +433,19 @@ def _decode_proposal_body(m: dict[str, Any], what: str, limits: WireLimits) -> P
     shape = m["shape"]
     if not isinstance(shape, list) or len(shape) != 2:
         raise WireError(f"{what}.shape: expected [B, G], got {_show(shape)}")
-    n = _int(shape[0], f"{what}.shape[0]", seq_ids.size, seq_ids.size)
-    g = _int(shape[1], f"{what}.shape[1] (chain length)", 0, limits.gamma_max)
+    n = _int(shape[0], f"{what}.shape[0]", len(seq_ids), len(seq_ids))
+    if m["parents"] is None:
+        g = _int(shape[1], f"{what}.shape[1] (chain length)", 0, limits.gamma_max)
+    else:
+        g = _int(shape[1], f"{what}.shape[1] (tree nodes)", 0, max(limits.gamma_max, limits.tree_nodes))
     tokens = _token_ids(m, "tokens", what, limits, n * g).reshape(n, g)  # [B, G]
     lengths = _column(m, "lengths", _I32, what, n)  # [B]
-    _in_range(lengths, 0, g + 1, f"{what}.lengths")
+    row_lengths = lengths.tolist()
+    _in_range(row_lengths, 0, g + 1, f"{what}.lengths")
     resync = _resync(m, what, seq_ids)
-    if lengths[np.isin(seq_ids, resync)].any():
+    if not _resync_rows_empty(seq_ids, resync, row_lengths):
         raise WireError(f"{what}: a resync row carries draft tokens")
+    parents = None if m["parents"] is None else _decode_parents(m, what, lengths, n, g)
 
     q_ids_t = q_probs_t = None
     if m["q"] is not None:
@@ -389,22 +468,25 @@ def _decode_proposal_body(m: dict[str, Any], what: str, limits: WireLimits) -> P
         q_probs_t = torch.from_numpy(q_probs.copy())
 
     return ProposalBatch(
-        seq_ids=seq_ids.tolist(),
+        seq_ids=list(seq_ids),
         tokens=torch.from_numpy(tokens.astype(np.int64)),
         lengths=torch.from_numpy(lengths.astype(np.int64)),
         q_ids=q_ids_t,
         q_probs=q_probs_t,
-        resync=resync.tolist(),
+        parents=parents,
+        resync=list(resync),
         draft_seconds=_seconds(m["draft_seconds"], f"{what}.draft_seconds"),
     )
 
 
 def decode_propose(data: bytes, limits: WireLimits) -> list[ProposeItem]:
-    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma"))
+    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma", "branch"))
     seq_ids, syncs, samplings = _decode_rows(frame, "propose", limits)
-    gamma = _column(frame, "gamma", _I32, "propose", seq_ids.size)
+    gamma = _values(frame, "gamma", _I32, "propose", len(seq_ids))
     _in_range(gamma, 0, limits.gamma_max + 1, "propose.gamma")
-    return [ProposeItem(sync=s, gamma=int(g), sampling=p) for s, g, p in zip(syncs, gamma.tolist(), samplings)]
+    branch = _values(frame, "branch", _I32, "propose", len(seq_ids))
+    _in_range(branch, 0, limits.vocab_size, "propose.branch")  # branch b may start at the (b+1)-th likeliest token
+    return [ProposeItem(s, g, p, b) for s, g, p, b in zip(syncs, gamma, samplings, branch)]
 
 
 def decode_proposal(data: bytes, limits: WireLimits) -> ProposalBatch:
@@ -416,48 +498,50 @@ def decode_verify(data: bytes, limits: WireLimits) -> tuple[list[VerifyItem], Pr
     seq_ids, syncs, samplings = _decode_rows(_map(frame["items"], "verify.items", _ROW_KEYS), "verify.items", limits)
     body = _map(frame["proposal"], "verify.proposal", _PROPOSAL_KEYS)
     proposal = _decode_proposal_body(body, "verify.proposal", limits)
-    if proposal.seq_ids != seq_ids.tolist():
+    if proposal.seq_ids != list(seq_ids):
         raise WireError("verify: proposal rows must be the items' seq ids, in the same order")
     if proposal.q_ids is None:
-        sampled = [b for b, p in enumerate(samplings) if not p.greedy and int(proposal.lengths[b])]
-        if sampled:
-            raise WireError(f"verify: row {sampled[0]} is sampled and drafted but the proposal has no q")
-    return [VerifyItem(sync=s, sampling=p) for s, p in zip(syncs, samplings)], proposal
+        sampled = [b for b, p in enumerate(samplings) if not p.greedy]
+        lengths = proposal.lengths.tolist() if sampled else []
+        drafted = [b for b in sampled if lengths[b]]
+        if drafted:
+            raise WireError(f"verify: row {drafted[0]} is sampled and drafted but the proposal has no q")
+    return [VerifyItem(s, p) for s, p in zip(syncs, samplings)], proposal
 
 
 def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:
     keys = ("seq_ids", "emit_lens", "emitted", "num_accepted", "num_proposed", "resync", "verify_seconds")
     frame = _unpack(data, "outcome", keys)
     seq_ids = _seq_ids(frame, "outcome", limits)
-    n = seq_ids.size
-    emit_lens = _column(frame, "emit_lens", _I32, "outcome", n)
-    accepted = _column(frame, "num_accepted", _I32, "outcome", n)
-    proposed = _column(frame, "num_proposed", _I32, "outcome", n)
+    n = len(seq_ids)
+    emit_lens = _values(frame, "emit_lens", _I32, "outcome", n)
+    accepted = _values(frame, "num_accepted", _I32, "outcome", n)
+    proposed = _values(frame, "num_proposed", _I32, "outcome", n)
     _in_range(proposed, 0, limits.gamma_max + 1, "outcome.num_proposed")
     _in_range(accepted, 0, limits.gamma_max + 1, "outcome.num_accepted")
-    if (accepted > proposed).any():
+    if any(a > p for a, p in zip(accepted, proposed)):
         raise WireError("outcome: num_accepted exceeds num_proposed")
     _in_range(emit_lens, 0, limits.gamma_max + 2, "outcome.emit_lens")
-    if (emit_lens > accepted.astype(np.int64) + 1).any():
+    if any(e > a + 1 for e, a in zip(emit_lens, accepted)):
         raise WireError("outcome: a row emits more than its accepted tokens plus one")
-    emitted = _token_ids(frame, "emitted", "outcome", limits, int(emit_lens.sum(dtype=np.int64))).tolist()
+    emitted = _token_ids(frame, "emitted", "outcome", limits, sum(emit_lens)).tolist()
     resync = _resync(frame, "outcome", seq_ids)
-    if emit_lens[np.isin(seq_ids, resync)].any():
+    if not _resync_rows_empty(seq_ids, resync, emit_lens):
         raise WireError("outcome: a resync row emits tokens")
     rows, start = [], 0
-    for length in emit_lens.tolist():
+    for length in emit_lens:
         rows.append(emitted[start : start + length])
         start += length
     return VerifyOutcome(
-        seq_ids=seq_ids.tolist(),
+        seq_ids=list(seq_ids),
         emitted=rows,
-        num_accepted=accepted.tolist(),
-        num_proposed=proposed.tolist(),
-        resync=resync.tolist(),
+        num_accepted=list(accepted),
+        num_proposed=list(proposed),
+        resync=list(resync),
         verify_seconds=_seconds(frame["verify_seconds"], "outcome.verify_seconds"),
     )
 
 
 def decode_release(data: bytes, limits: WireLimits) -> Release:
     frame = _unpack(data, "release", ("seq_ids",))
-    return Release(seq_ids=tuple(_seq_ids(frame, "release", limits).tolist()))
+    return Release(seq_ids=_seq_ids(frame, "release", limits))

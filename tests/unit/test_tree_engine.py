@@ -16,10 +16,9 @@ import torch
 
 from draftpool.ngram import NgramProposer
 from engine.engine import Request
-from runtime.protocol import ProposalBatch, ProposeItem, SamplingParams, SyncItem
+from runtime.protocol import ProposeItem, SamplingParams, SyncItem
 from runtime.models import tiny_llama
 from runtime.token_tree import depths
-from runtime.wire import WireError, encode_proposal
 from tests.unit.helpers import VOCAB, hf_greedy, make_engine, run_to_end
 
 pytestmark = pytest.mark.timeout(300)
@@ -199,10 +198,3 @@ def test_greedy_rows_exact_next_to_sampled_rows(target, motif_prompts, motif_ref
         out = engine.output(seq_id)
         assert len(out.tokens) == MAX_NEW and all(0 <= t < target.config.vocab_size for t in out.tokens)
     assert any(_wide(t) for t in proposer.trees)
-
-
-def test_wire_refuses_a_tree():
-    batch = ProposalBatch(seq_ids=[0], tokens=torch.tensor([[4, 5]]), lengths=torch.tensor([2]),
-                          parents=torch.tensor([[-1, -1]]))
-    with pytest.raises(WireError, match="in-process only"):
-        encode_proposal(batch)

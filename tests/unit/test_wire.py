@@ -24,13 +24,14 @@ from runtime.protocol import (
 )
 
 LIMITS = WireLimits(vocab_size=100, gamma_max=8, max_batch=16, max_seq_len=256)
+_MANY = 4096  # values in a column: more than any packed as Python numbers
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1)
 
 
 def propose_items() -> list[ProposeItem]:
     return [
         ProposeItem(SyncItem(seq_id=7, base=0, tokens=(1, 2, 3, 99)), gamma=4),
-        ProposeItem(SyncItem(seq_id=2**40, base=12, tokens=(5,)), gamma=8, sampling=SAMPLED),
+        ProposeItem(SyncItem(seq_id=2**40, base=12, tokens=(5,)), gamma=8, sampling=SAMPLED, branch=2),
         ProposeItem(SyncItem(seq_id=0, base=3, tokens=()), gamma=0, sampling=SamplingParams(1.0, seed=-5)),
     ]
 
@@ -54,6 +55,15 @@ def sampled_proposal() -> ProposalBatch:
     )
 
 
+def tree_proposal(width: int = 4) -> ProposalBatch:
+    """Row 0: a root child with two children, one of which has a child; row 1: two root children."""
+    tokens = torch.zeros(2, width, dtype=torch.long)  # [B=2, G=width]
+    tokens[0, :4], tokens[1, :2] = torch.tensor([4, 5, 6, 7]), torch.tensor([8, 9])
+    parents = torch.full((2, width), -1, dtype=torch.long)  # [B, G]
+    parents[0, :4] = torch.tensor([-1, 0, 0, 1])
+    return ProposalBatch(seq_ids=[3, 1], tokens=tokens, lengths=torch.tensor([4, 2]), parents=parents)
+
+
 def outcome() -> VerifyOutcome:
     return VerifyOutcome(
         seq_ids=[7, 2**40, 0],
@@ -71,6 +81,9 @@ def assert_same_batch(a: ProposalBatch, b: ProposalBatch) -> None:
     assert b.tokens.dtype == b.lengths.dtype == torch.int64
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
     assert (a.q_ids is None) == (b.q_ids is None)
+    assert (a.parents is None) == (b.parents is None)
+    if a.parents is not None:
+        assert b.parents.dtype == torch.int64 and torch.equal(a.parents, b.parents)
     if a.q_ids is not None:
         assert b.q_ids.dtype == torch.int64 and b.q_probs.dtype == torch.float32
         assert torch.equal(a.q_ids, b.q_ids) and torch.equal(a.q_probs, b.q_probs)
@@ -95,7 +108,8 @@ def test_empty_batches_round_trip() -> None:
     assert wire.decode_release(wire.encode_release(Release(())), LIMITS) == Release(())
 
 
-@pytest.mark.parametrize("make", [greedy_proposal, sampled_proposal, lambda: ProposalBatch.empty([4, 5], resync=[5])])
+@pytest.mark.parametrize("make", [greedy_proposal, sampled_proposal, tree_proposal,
+                                  lambda: ProposalBatch.empty([4, 5], resync=[5])])
 def test_proposal_round_trip(make: Callable[[], ProposalBatch]) -> None:
     batch = make()
     decoded = wire.decode_proposal(wire.encode_proposal(batch), LIMITS)
@@ -108,6 +122,27 @@ def test_verify_round_trip() -> None:
     got_items, got_proposal = wire.decode_verify(wire.encode_verify(items, sampled_proposal()), LIMITS)
     assert got_items == items
     assert_same_batch(sampled_proposal(), got_proposal)
+
+
+def test_tree_verify_round_trip() -> None:
+    items = [VerifyItem(SyncItem(3, 0, (1, 2))), VerifyItem(SyncItem(1, 5, (9,)))]
+    got_items, got_proposal = wire.decode_verify(wire.encode_verify(items, tree_proposal()), LIMITS)
+    assert got_items == items
+    assert_same_batch(tree_proposal(), got_proposal)
+    got_proposal.parents[0, 0] = 2  # a fresh tensor, not a view of the frame
+    assert got_proposal.row_parents(1) == [-1, -1]
+
+
+def test_tree_width_is_bounded_by_tree_nodes() -> None:
+    wide = tree_proposal(width=LIMITS.gamma_max + 2)
+    with pytest.raises(WireError, match="tree nodes"):
+        wire.decode_proposal(wire.encode_proposal(wide), LIMITS)
+    trees = WireLimits(vocab_size=100, gamma_max=8, max_batch=16, max_seq_len=256, tree_nodes=LIMITS.gamma_max + 2)
+    assert_same_batch(wide, wire.decode_proposal(wire.encode_proposal(wide), trees))
+    chain = tree_proposal(width=LIMITS.gamma_max + 2)
+    chain.parents = None  # a chain stays bounded by gamma_max
+    with pytest.raises(WireError, match="chain length"):
+        wire.decode_proposal(wire.encode_proposal(chain), trees)
 
 
 def test_outcome_and_release_round_trip() -> None:
@@ -126,6 +161,13 @@ def test_encode_refuses_what_the_format_cannot_carry() -> None:
     with pytest.raises(WireError, match="q_ids"):
         wire.encode_proposal(ProposalBatch([1], torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
                                            q_ids=torch.zeros(1, 1, 2, dtype=torch.long)))
+    tree = tree_proposal()
+    tree.parents = tree.parents[:, :3]
+    with pytest.raises(WireError, match="parents"):
+        wire.encode_proposal(tree)
+    big = torch.full((1, _MANY), 2**31)  # over the size where a column is packed as an array
+    with pytest.raises(WireError, match="tokens"):
+        wire.encode_proposal(ProposalBatch([1], big, torch.ones(1, dtype=torch.long)))
 
 
 # ---- hostile frames ----------------------------------------------------------------------------
@@ -163,6 +205,10 @@ def proposal_frame() -> dict[str, Any]:
     return unpacked(wire.encode_proposal(sampled_proposal()))
 
 
+def tree_frame() -> dict[str, Any]:
+    return unpacked(wire.encode_proposal(tree_proposal()))
+
+
 def outcome_frame() -> dict[str, Any]:
     return unpacked(wire.encode_outcome(outcome()))
 
@@ -172,6 +218,7 @@ VALID = {
     "propose": wire.encode_propose(propose_items()),
     "proposal": wire.encode_proposal(sampled_proposal()),
     "greedy_proposal": wire.encode_proposal(greedy_proposal()),
+    "tree_proposal": wire.encode_proposal(tree_proposal()),
     "verify": wire.encode_verify([VerifyItem(SyncItem(3, 0, (1,)), SAMPLED), VerifyItem(SyncItem(1, 0, (2,)))],
                                  sampled_proposal()),
     "outcome": wire.encode_outcome(outcome()),
@@ -240,7 +287,8 @@ DROP = object()
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"v": 2}, "schema version"),
+        ({"v": wire.SCHEMA_VERSION + 1}, "schema version"),
+        ({"v": wire.SCHEMA_VERSION - 1}, "schema version"),
         ({"v": True}, "schema version"),
         ({"kind": "proposal"}, "expected a 'propose' frame"),
         ({"extra": 1}, "unexpected"),
@@ -252,6 +300,9 @@ DROP = object()
         ({"tokens": [1, 2, 3, 4, 5]}, "expected bytes"),
         ({"gamma": i32(4, 9, 0)}, "gamma"),
         ({"gamma": i32(4, -1, 0)}, "gamma"),
+        ({"branch": i32(0, -1, 0)}, "branch"),
+        ({"branch": i32(0, 100, 0)}, "branch"),
+        ({"branch": DROP}, "missing"),
         ({"seq_ids": i64(7, 7, 0)}, "duplicate"),
         ({"seq_ids": i64(7, -3, 0)}, "seq_ids"),
         ({"base": i32(0, -1, 3)}, "base"),
@@ -321,6 +372,37 @@ def test_bad_proposal(changes: dict[str, Any], match: str) -> None:
         wire.decode_proposal(tampered(proposal_frame(), **changes), LIMITS)
 
 
+@pytest.mark.parametrize(
+    "parents, match",
+    [
+        (i32(-1, 0, 0, 1, -1, -1, -1, 3), "row 1 node 3: parent 3 is not -1 beyond"),  # a node past the length
+        (i32(-1, 0, 0, 3, -1, -1, -1, -1), "row 0 node 3: parent 3 is not -1 or an earlier"),  # its own parent
+        (i32(-1, 0, 2, 1, -1, -1, -1, -1), "row 0 node 2: parent 2"),  # not topological
+        (i32(-1, 0, 0, 1, -1, -2, -1, -1), "row 1 node 1: parent -2"),
+        (i32(0, 0, 0, 1, -1, -1, -1, -1), "row 0 node 0: parent 0"),  # the first node's parent is the root
+        (i32(-1, 0, 0, 1, -1, -1, -1), "values, expected"),
+        ([-1, 0, 0, 1, -1, -1, -1, -1], "expected bytes"),
+    ],
+)
+def test_bad_tree(parents: Any, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        wire.decode_proposal(tampered(tree_frame(), parents=parents), LIMITS)
+    frame = unpacked(wire.encode_verify([VerifyItem(SyncItem(3, 0, (1,))), VerifyItem(SyncItem(1, 0, (2,)))],
+                                        tree_proposal()))
+    with pytest.raises(WireError, match=match):
+        wire.decode_verify(tampered(frame, proposal=dict(frame["proposal"], parents=parents)), LIMITS)
+
+
+def test_long_histories() -> None:
+    """A prefill sends whole histories: round trip, and the bad token's index in the flattened column."""
+    history = tuple(range(1, 99)) * 2  # 196 tokens per row: a column checked as an array, not value by value
+    items = [ProposeItem(SyncItem(b, 0, history), gamma=4) for b in range(2)]
+    assert wire.decode_propose(wire.encode_propose(items), LIMITS) == items
+    frame = unpacked(wire.encode_propose(items))
+    with pytest.raises(WireError, match="value 100 at index 300 is outside"):
+        wire.decode_propose(tampered(frame, tokens=frame["tokens"][:1200] + i32(100) + frame["tokens"][1204:]), LIMITS)
+
+
 def test_bad_verify() -> None:
     items = [VerifyItem(SyncItem(3, 0, (1,)), SAMPLED), VerifyItem(SyncItem(1, 0, (2,)))]
     misaligned = [items[1], items[0]]
@@ -360,6 +442,8 @@ def test_limits_are_checked() -> None:
         WireLimits(vocab_size=0, gamma_max=8, max_batch=1, max_seq_len=1)
     with pytest.raises(ValueError):
         WireLimits(vocab_size=10, gamma_max=8, max_batch=wire.MAX_ROWS + 1, max_seq_len=1)
+    with pytest.raises(ValueError):
+        WireLimits(vocab_size=10, gamma_max=8, max_batch=1, max_seq_len=1, tree_nodes=-1)
 
 
 # ---- fuzzing -----------------------------------------------------------------------------------
