@@ -44,6 +44,7 @@ log = logging.getLogger("specserve.config")
 
 BUILTIN_TINY = "builtin:tiny"
 GAMMA_HARD_CAP = 16  # longest chain the verifier and the wire format accept
+TREE_NODES_CAP = 256  # largest token tree a config may ask for (a verify row of this many nodes)
 MAX_BATCH_CAP = 1 << 16  # runtime.wire.MAX_ROWS: the most rows one frame may carry
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -182,6 +183,27 @@ class SpeculationSpec(_Spec):
         description="Support size K of the proposal distribution q sent with sampled drafts; the draft "
         "samples from its top-K-truncated distribution, so verification stays exact.",
     )
+    tree_nodes: int = Field(
+        D.TREE_NODES,
+        ge=0,
+        le=TREE_NODES_CAP,
+        description="Let the draft model draft token trees of up to this many nodes (0 = chains): the most "
+        "likely continuations by cumulative draft probability, verified in one target pass. With adaptive γ "
+        "and the draft inside the router (router.stages 'local'), each step chooses the chain or a tree size "
+        "from measured tokens per second; with a draft pool every step drafts this tree. Must exceed "
+        "gamma_max with adaptive γ (tree and chain widths stay distinct). Pays where the target has spare "
+        "width (GPUs at small batch); on CPU a wide verify costs about in proportion to its width.",
+    )
+    draft_num: int = Field(
+        D.DRAFT_NUM,
+        ge=1,
+        le=D.DRAFT_NUM_MAX,
+        description="Candidate chains drafted per sequence per step, one draft call each (with a draft pool, "
+        "on different replicas at once), merged into one token tree that the target verifies in one pass. "
+        "1 = a single chain. Exact for greedy and sampled requests: every tree node is verified as a "
+        "deterministic proposal. Costs draft compute per candidate and a wider verify; it pays where the "
+        "best chain is often rejected early and the target has spare width (small batches).",
+    )
     goodput_guard: bool = Field(
         D.GOODPUT_GUARD,
         description="Measure committed tokens per second of speculative and of plain steps per batch-size "
@@ -189,9 +211,6 @@ class SpeculationSpec(_Spec):
         "either way: plain steps are verify steps without drafts. Off by default: its probes cost batch-1 "
         "gain on short runs (scripts/bench_scenarios.py reports both); meant for long-running, "
         "high-batch services.",
-    )
-    max_parallel_drafts: Literal[1] = Field(
-        1, description="Proposals per sequence per step; 1 until multi-draft verification exists."
     )
 
     @model_validator(mode="after")
@@ -208,6 +227,12 @@ class SpeculationSpec(_Spec):
                 "speculation.threshold: only used with speculation.acceptance 'threshold' (the lossy opt-in); "
                 "remove it or set acceptance: threshold"
             )
+        if self.adaptive and 0 < self.tree_nodes <= self.gamma_max:
+            raise ValueError(f"speculation.tree_nodes ({self.tree_nodes}): with adaptive γ it must exceed "
+                             f"speculation.gamma_max ({self.gamma_max}), or be 0 (chains)")
+        if self.tree_nodes and self.draft_num > 1:
+            raise ValueError("speculation.tree_nodes: draft_num > 1 merges several chains into one tree already; "
+                             "set one of them")
         if self.dynamic_adjust and self.acceptance != "threshold":
             raise ValueError(
                 "speculation.dynamic_adjust: adjusts the threshold, so needs speculation.acceptance 'threshold'"
@@ -571,6 +596,9 @@ class ClusterConfig(_Spec):
                 f"target.tensor_parallel 1 and verifier.num_groups 1 (got {self.target.tensor_parallel} and "
                 f"{self.verifier.num_groups}): use router.stages 'remote'"
             )
+        if self.speculation.draft_num > 1 and self.draft.kind == "none":
+            raise ValueError("speculation.draft_num: candidates are drafted by the draft; with draft.kind "
+                             "'none' leave draft_num 1")
         if self.router.stages == "local" and self.router.transport != "handles":
             raise ValueError(f"router.transport: {self.router.transport!r} reaches remote stages; with "
                              "router.stages 'local' there are none (leave transport 'handles')")
@@ -749,13 +777,7 @@ def _merge_seeds(native: dict[str, Any], block: Any) -> dict[str, str]:
         elif key == "batch_size":
             put("draft_pool.batch_size", value, here)
         elif key == "draft_num":
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{here}: must be 1, got {value!r}")
-            if value > 1:
-                raise ConfigError(
-                    f"{here}: draft_num > 1 (parallel drafts) needs multi-draft verification, which specserve "
-                    "does not implement yet; set draft_num: 1"
-                )
+            put("speculation.draft_num", value, here)
         else:
             known = ", ".join([*_SEEDS_SUBKEYS, *_SEEDS_FLAT])
             raise ConfigError(f"{here}: unknown key (known here: {known})")

@@ -13,5 +13,12 @@ CONFIDENCE_THRESHOLD = 0.0
 Q_TOP_K = 64
 NGRAM_MIN, NGRAM_MAX = 1, 4
 NGRAM_TREE_NODES = 0  # 0: the n-gram proposer drafts a chain; > 0: a token tree of up to that many nodes
+# The draft model's token trees (issue 15): 0 drafts chains; > 0 lets the adaptive policy choose per step
+# between the chain and trees of up to that many nodes (a fixed γ drafts that tree every step)
+TREE_NODES = 0
+TREE_TOP_K = 8  # children per expanded tree node, and nodes expanded per tree level
+# Candidate chains per row and step (one propose call each, on different draft replicas in a cluster),
+# merged into one token tree; 1: a single chain
+DRAFT_NUM, DRAFT_NUM_MAX = 1, 8
 GOODPUT_GUARD = False
 MAX_TOKENS = 256

@@ -22,6 +22,7 @@ from typing import Literal
 
 DRAFTS = "specserve_drafts"
 DRAFT_TOKENS = "specserve_draft_tokens"
+DRAFT_NODES = "specserve_draft_nodes"
 ACCEPTED_TOKENS = "specserve_accepted_tokens"
 EMITTED_TOKENS = "specserve_emitted_tokens"
 DRAFT_TOKENS_BY_POSITION = "specserve_draft_tokens_by_position"
@@ -103,7 +104,13 @@ METRICS: dict[str, MetricSpec] = {
             "Proposals verified: one per sequence per verify step (the denominator of the mean "
             "acceptance length).",
         ),
-        MetricSpec(DRAFT_TOKENS, "counter", "Draft tokens proposed and verified."),
+        MetricSpec(DRAFT_TOKENS, "counter", "Draft positions proposed: a chain's draft tokens, a token tree's depth."),
+        MetricSpec(
+            DRAFT_NODES,
+            "counter",
+            "Draft tokens verified: a chain's draft tokens, every node of a token tree. Over "
+            f"{DRAFTS} it is the mean tree size; over {DRAFT_TOKENS}, the mean tree width.",
+        ),
         MetricSpec(ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the verify step."),
         MetricSpec(
             EMITTED_TOKENS,

@@ -5,8 +5,8 @@ Serve handles, but each step's frame goes straight to a ``StageWorker`` actor (`
 
 - ``compiled``: one compiled graph per worker (``InputNode → worker.call``, ``experimental_compile``);
   a call writes the frame into a shared-memory channel that the worker's loop is already reading. On this
-  2-core VM a 16-row stage call, msgpack included, took ~0.7–0.9 ms p50 against ~1.6–2.3 ms for an actor
-  call and ~3.5–5.3 ms for a Serve-handle call (docs/transport.md).
+  2-core VM a 16-row stage call through a served app's worker, msgpack included, took ~0.3–0.5 ms p50
+  against ~0.9–1.0 ms for an actor call and ~3.1–3.9 ms for a Serve-handle call (docs/transport.md).
 - ``actor``: ``worker.call.remote(frame)``, for workers a compiled graph cannot reach.
 
 One graph per worker, not one graph over all of them: each micro-batch's draft goes to one worker (its
@@ -223,7 +223,8 @@ class ChannelStages(StageFallbacks):
     def submit_propose(self, items: Sequence[ProposeItem], shard: int = 0):
         seq_ids = [it.sync.seq_id for it in items]
         bases = {it.sync.seq_id: it.sync.base for it in items}
-        link = self.drafts.pick(shard)
+        # A micro-batch's branches (draft_num) go to consecutive workers: drafted side by side.
+        link = self.drafts.pick(shard + (items[0].branch if items else 0))
         if link is None:  # no draft worker registered: the Serve handles, or target-only without waiting
             if self.fallback is not None:
                 self.calls["draft_handles"] += 1

@@ -93,7 +93,7 @@ GAUGES = GaugeKeeper()
 
 class RouterMetrics:
     def __init__(self):
-        self.m = create(names.DRAFTS, names.DRAFT_TOKENS, names.ACCEPTED_TOKENS, names.EMITTED_TOKENS,
+        self.m = create(names.DRAFTS, names.DRAFT_TOKENS, names.DRAFT_NODES, names.ACCEPTED_TOKENS, names.EMITTED_TOKENS,
                         names.ACCEPTED_BY_POSITION, names.DRAFT_TOKENS_BY_POSITION, names.STEP_LATENCY, names.FALLBACKS, names.REQUESTS,
                         names.REQUESTS_CANCELLED, names.RUNNING_SEQUENCES, names.QUEUE_DEPTH,
                         names.ACCEPTANCE_RATE, names.REJECTIONS, names.STAGE_SECONDS, names.STEPS,
@@ -107,6 +107,7 @@ class RouterMetrics:
         m, seen = self.m, self.seen
         for name, now, before in ((names.DRAFTS, totals.steps, seen.steps),
                                   (names.DRAFT_TOKENS, totals.proposed, seen.proposed),
+                                  (names.DRAFT_NODES, totals.nodes, seen.nodes),
                                   (names.ACCEPTED_TOKENS, totals.accepted, seen.accepted),
                                   (names.EMITTED_TOKENS, totals.emitted, seen.emitted),
                                   (names.REJECTIONS, totals.rejections, seen.rejections)):

@@ -89,7 +89,7 @@ class Router:
         return RemoteStages(draft_handle, verifier_handle, self.limits, draft_timeout_s=cfg.draft_pool.timeout_s,
                             verify_timeout_s=cfg.router.verify_timeout_s, probe_interval_s=cfg.router.probe_interval_s,
                             probe_timeout_s=cfg.router.probe_timeout_s, on_fallback=on_fallback,
-                            shard_prefix=f"{shard}{os.getpid()}")
+                            shard_prefix=f"{shard}{os.getpid()}", branches=cfg.speculation.draft_num)
 
     def _channel_stages(self, handles: RemoteStages) -> ChannelStages:
         """The stage workers' transport, over Serve handles for a stage with no worker registered; the

@@ -31,10 +31,12 @@ def engine_settings(cfg: ClusterConfig, *, max_slots: int | None = None) -> Engi
         q_top_k=spec.q_top_k, ngram_min=cfg.draft.ngram_min, ngram_max=cfg.draft.ngram_max,
         acceptance=AcceptanceConfig(mode=spec.acceptance, threshold=spec.threshold or 0.9,
                                     dynamic_adjust=spec.dynamic_adjust, target_rate=spec.target_acceptance),
-        goodput_guard=spec.goodput_guard)
+        goodput_guard=spec.goodput_guard, draft_num=spec.draft_num, tree_nodes=spec.tree_nodes)
 
 
 def wire_limits(cfg: ClusterConfig) -> WireLimits:
-    return WireLimits(vocab_size=spec_vocab_size(target_spec(cfg)), gamma_max=cfg.speculation.gamma_max,
+    spec = cfg.speculation
+    return WireLimits(vocab_size=spec_vocab_size(target_spec(cfg)), gamma_max=spec.gamma_max,
                       max_batch=max(cfg.router.max_running, cfg.draft_pool.max_batch_size),
-                      max_seq_len=cfg.target.max_model_len)
+                      max_seq_len=cfg.target.max_model_len,
+                      tree_nodes=max(spec.tree_nodes, spec.draft_num * spec.gamma_max if spec.draft_num > 1 else 0))

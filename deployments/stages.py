@@ -221,7 +221,7 @@ class StageFallbacks:
 class RemoteStages(StageFallbacks):
     def __init__(self, draft_handle, verifier_handle, limits: wire.WireLimits, *, draft_timeout_s: float,
                  verify_timeout_s: float, probe_interval_s: float, probe_timeout_s: float, on_fallback=None,
-                 timings: StageTimings | None = None, shard_prefix: str = "mb"):
+                 timings: StageTimings | None = None, shard_prefix: str = "mb", branches: int = 1):
         self.draft = draft_handle  # None: no proposer (target-only decoding)
         self.verifier = verifier_handle
         self.limits = limits
@@ -230,6 +230,7 @@ class RemoteStages(StageFallbacks):
         self.on_fallback = on_fallback or (lambda reason, n: None)
         self.timings = timings or StageTimings()
         self.shard_prefix = shard_prefix
+        self.branches = branches  # candidate chains per micro-batch (draft_num): each has its own routing key
         self.fallbacks = 0
         self.fallback_reasons: Counter = Counter()
         self.verifier_live = StageLiveness("verifier")
@@ -247,8 +248,11 @@ class RemoteStages(StageFallbacks):
     def close(self) -> None:
         self.prober.stop()
 
-    def _keyed(self, handle, shard: int):
-        return handle.options(multiplexed_model_id=f"{self.shard_prefix}-{shard}")
+    def _keyed(self, handle, shard: int, branch: int = 0):
+        """The handle routed by the micro-batch's key — its branch's key for the candidates beyond the first
+        (``draft_num``), so Serve spreads a micro-batch's branches over the draft replicas."""
+        key = f"{self.shard_prefix}-{shard}" + (f"-{branch}" if branch else "")
+        return handle.options(multiplexed_model_id=key)
 
     def _call_failed(self, live: StageLiveness, exc: BaseException) -> None:
         """A step call failed: a dead replica marks its stage down at once; any failure asks for a probe,
@@ -267,7 +271,7 @@ class RemoteStages(StageFallbacks):
         if not self.draft_live.up:  # nobody to ask: decode target-only without waiting
             return Done(self._fallback(seq_ids, "draft_down"))
         frame = wire.encode_propose(items)
-        handle = self._keyed(self.draft, shard)
+        handle = self._keyed(self.draft, shard, items[0].branch if items else 0)
         started = time.monotonic()
         try:
             response = handle.propose.remote(frame)
@@ -341,10 +345,10 @@ class RemoteStages(StageFallbacks):
     def release(self, seq_ids: Sequence[int], shard: int = 0) -> None:
         """Fire-and-forget: a lost release only leaves a slot to the replica's LRU eviction."""
         frame = wire.encode_release(wire.Release(tuple(seq_ids)))
-        for handle in (self.draft, self.verifier):
-            if handle is None:
-                continue
-            handle = self._keyed(handle, shard)
+        keyed = [self._keyed(self.verifier, shard)]
+        if self.draft is not None:
+            keyed += [self._keyed(self.draft, shard, b) for b in range(self.branches)]
+        for handle in keyed:
             try:
                 handle.release.remote(frame)
             except Exception as exc:

@@ -10,30 +10,64 @@ distribution q — argmax for greedy rows — with counter-based noise keyed by 
 that truncated q, which keeps verification exact). A row stops early when the draft's confidence (its top
 probability before warping) falls below ``confidence_threshold``; a stopped row rides along to the end of
 the loop with its writes sent to the scratch column. Tokens, lengths and q come back in one copy.
+
+``ProposeItem.branch`` b > 0 drafts another candidate chain of the same sequence (``draft_num``): a greedy
+row's first token is the draft's (b+1)-th most likely one, a sampled row draws every token from a stream
+keyed by the branch too; the chain then continues as usual.
+
+With a node budget (``tree_nodes`` > 0, or what ``tree_budget`` answers for the step) the proposal is a token
+tree instead (``ProposalBatch.parents``, issue 15), grown by ``draftpool.draft_tree.TreeGrowth``: each level
+is one batched ``ModelRunner.tree_forward`` of every row's frontier and its ancestors, with one read back of
+the frontier's top-k tokens. The forward re-feeds the tree drafted so far rather than only the new level:
+tree_forward writes nodes after the committed tokens in node order, so a level fed alone would need a mask
+over earlier calls' node columns; re-feeding costs a few dozen draft tokens per level, which on the small
+draft is close to a one-token forward (the forward's fixed costs dominate), and it keeps the draft's cache
+exactly the committed tokens after the step (tree_forward records nothing else as cached, so the next
+``sync`` compares against what the KV columns really hold). Tree tokens are deterministic (one-hot q, no
+``q_ids``), exact for greedy and sampled rows; a batch holding a branch row drafts chains.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from cluster import defaults as D
+from draftpool.draft_tree import TreeGrowth
 from runtime import forward as fwd
 from runtime import rng
 from runtime.host_copy import fetch
 from runtime.protocol import ProposalBatch, ProposeItem
 from runtime.runner import ModelRunner, batch_bucket
-from runtime.sampling import race, warp_probs
+from runtime.sampling import race, sampling_tensors, warp_probs
+
+
+def branch_stream(branch: int) -> int:
+    """The ``rng`` stream of a sampled draft row's tokens: branch 0 draws from ``rng.DRAFT_TOKEN``, branch b
+    from a stream of its own (above the 8 bits the verify streams use), so branches draw independently."""
+    return rng.DRAFT_TOKEN + (branch << 8)
 
 
 class DraftModelProposer:
+    """``tree_nodes``: the node budget of every step's tree (0: chains); ``tree_budget(rows, gamma, sampled)``,
+    when given, answers the budget per step instead (the γ policy's shape choice, ``engine/gamma.py``), 0
+    for a chain; ``tree_top_k``: children per expanded node and nodes expanded per level."""
+
     def __init__(self, model, *, max_slots: int, max_len: int, q_top_k: int | None = None,
-                 confidence_threshold: float = 0.0, **runner_options):
+                 confidence_threshold: float = 0.0, tree_nodes: int = 0,
+                 tree_budget: Callable[[int, int, bool], int] | None = None, tree_top_k: int = D.TREE_TOP_K,
+                 **runner_options):
+        if tree_nodes < 0 or tree_top_k < 1:
+            raise ValueError(f"need tree_nodes >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}")
         self.runner = ModelRunner(model, max_slots=max_slots, max_len=max_len, **runner_options)
         self.vocab_size = self.runner.vocab_size
         self.q_top_k = q_top_k if q_top_k and q_top_k < self.vocab_size else None
         self.confidence_threshold = confidence_threshold
+        self.tree_nodes = tree_nodes
+        self.tree_budget = tree_budget
+        self.tree_top_k = tree_top_k
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.runner.release(seq_ids)
@@ -55,12 +89,21 @@ class DraftModelProposer:
                         key=lambda b: self.runner.seqs[seq_ids[b]].slot)
         params = [items[b].sampling for b in active]
         sampled = any(not s.greedy for s in params)
-        K = (self.q_top_k or self.vocab_size) if sampled else 0
+        branches = [items[b].branch for b in active]
+        nodes = 0 if any(branches) else (self.tree_budget(len(active), G, sampled) if self.tree_budget
+                                         else self.tree_nodes)
         first = self.runner.forward([seq_ids[b] for b in active], [[]] * len(active), [1] * len(active))[:, 0]
+        if nodes:
+            self._draft_tree(batch, active, seq_ids, first, gammas, params, nodes)
+            batch.draft_seconds = time.perf_counter() - t0
+            return batch
+        if any(branches):
+            first = self._skip_first(first, branches, params)
+        K = (self.q_top_k or self.vocab_size) if sampled else 0
         states = [self.runner.seqs[seq_ids[b]] for b in active]
         t_loop = time.perf_counter()
         out = self._draft_loop(first, [s.slot for s in states], [len(s.tokens) for s in states],
-                               [gammas[b] for b in active], params, G, K)
+                               [gammas[b] for b in active], params, G, K, branches)
         tokens, lengths, fed, *q = fetch(*out)  # the step's one read back
         fed_list = fed.tolist()
         for state, row, n in zip(states, tokens.tolist(), fed_list):
@@ -76,8 +119,68 @@ class DraftModelProposer:
         batch.draft_seconds = time.perf_counter() - t0
         return batch
 
+    @staticmethod
+    def _skip_first(first: torch.Tensor,  # [A, V]
+                    branches: list[int], params) -> torch.Tensor:  # [A, V]
+        """Greedy rows of branch b > 0: the b most likely first tokens masked out, so the argmax is the draft's
+        (b+1)-th choice (a sampled row's branch changes its random stream instead)."""
+        skip = torch.tensor([b if s.greedy else 0 for b, s in zip(branches, params)], device=first.device)
+        if not int(skip.max()):
+            return first
+        top = first.topk(int(skip.max()), dim=-1).indices  # [A, max b]
+        masked = torch.arange(top.shape[1], device=first.device).unsqueeze(0) < skip.unsqueeze(1)
+        values = torch.where(masked, float("-inf"), first.gather(1, top))
+        return first.scatter(1, top, values)
+
+    def _draft_tree(self, batch: ProposalBatch, active: list[int], seq_ids: list[int],
+                    first: torch.Tensor,  # [A, V] the draft's logits after each active row's committed tokens
+                    gammas: list[int], params, budget: int) -> None:
+        """Grow every active row's tree (``TreeGrowth``) with one draft forward per level; fill ``batch``."""
+        runner = self.runner
+        ids = [seq_ids[b] for b in active]
+        room = [runner.max_len - len(runner.seqs[s].tokens) - 1 for s in ids]
+        trees = [TreeGrowth(max(1, min(budget, r)), gammas[b], min(self.tree_top_k, budget))
+                 for b, r in zip(active, room)]
+        dev = first.device
+        greedy = torch.tensor([s.greedy for s in params], device=dev)
+        temperature, top_k, top_p = sampling_tensors(params, dev)
+        truncate = any(not s.greedy and (0 < s.top_k < self.vocab_size or s.top_p < 1) for s in params)
+        rows = list(range(len(active)))  # the active rows still growing
+        logits = first.unsqueeze(1)  # [R, F, V]: the logits after each growing row's frontier nodes
+        while True:
+            # Scored by what the row samples from: the warped q for sampled rows, the softmax for greedy ones.
+            logp = logits.float().log_softmax(-1)
+            if not all(s.greedy for s in params):
+                sel = torch.tensor(rows, device=dev)
+                warped = warp_probs(logits, temperature[sel], top_k[sel], top_p[sel], truncate=truncate).log()
+                logp = torch.where(greedy[sel].view(-1, 1, 1), logp, warped)
+            top_logp, top_ids = fetch(*logp.topk(trees[0].top_k, dim=-1))
+            top_logp, top_ids = top_logp.tolist(), top_ids.tolist()
+            for r, row in enumerate(rows):
+                tree = trees[row]
+                tree.expand([(top_ids[r][f], top_logp[r][f]) for f in range(len(tree.frontier))])
+            rows = [row for row in rows if trees[row].frontier]
+            if not rows:
+                break
+            fed = [trees[row].fed() for row in rows]
+            out = runner.tree_forward([ids[row] for row in rows], [f[0] for f in fed], [f[1] for f in fed])
+            F = max(len(f[2]) for f in fed)
+            index = torch.tensor([[1 + i for i in f[2]] + [0] * (F - len(f[2])) for f in fed], device=out.device)
+            logits = out.gather(1, index.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+
+        results = [tree.result() for tree in trees]
+        N = max(len(t) for _, t in results)
+        batch.tokens = torch.zeros((len(batch.seq_ids), N), dtype=torch.long)
+        batch.parents = torch.full((len(batch.seq_ids), N), -1, dtype=torch.long)
+        batch.lengths = torch.zeros(len(batch.seq_ids), dtype=torch.long)
+        for b, (parents, tokens) in zip(active, results):
+            batch.tokens[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            batch.parents[b, : len(parents)] = torch.tensor(parents, dtype=torch.long)
+            batch.lengths[b] = len(tokens)
+
     def _draft_loop(self, first: torch.Tensor,  # [A, V] the draft's logits after each row's committed tokens
-                    slots: list[int], positions: list[int], gammas: list[int], params, G: int, K: int
+                    slots: list[int], positions: list[int], gammas: list[int], params, G: int, K: int,
+                    branches: list[int]
                     ) -> list[torch.Tensor]:  # tokens [A, G], lengths [A], fed [A] (+ q_ids, q_probs [A, G, K])
         """Draft G positions for A rows on the device: fixed input buffers, one graph on CUDA."""
         runner = self.runner
@@ -95,8 +198,8 @@ class DraftModelProposer:
         pad = Ab - A
         # Per row: slot, position of its first draft, γ, top-k, then the (seed, position) key of each draft.
         runner.upload(bufs["ints"], [[slot, pos, g, s.top_k,
-                                      *(w for i in range(G) for w in rng.stream_key(s.seed, pos + i, rng.DRAFT_TOKEN))]
-                                     for slot, pos, g, s in zip(slots, positions, gammas, params)]
+                                      *(w for i in range(G) for w in rng.stream_key(s.seed, pos + i, branch_stream(br)))]
+                                     for slot, pos, g, s, br in zip(slots, positions, gammas, params, branches)]
                       + [[(slots[0] + A + i) if run else 0, *([0] * (3 + 2 * G))] for i in range(pad)])
         runner.upload(bufs["floats"], [[s.temperature, s.top_p] for s in params] + [[0.0, 1.0]] * pad)
         bufs["first"][:A].copy_(first)

@@ -42,12 +42,19 @@ class EngineSettings:
     # > 0: the n-gram proposer drafts token trees of up to this many nodes (issue 15; in-process stages only,
     # not in the cluster config yet); 0: chains
     ngram_tree_nodes: int = D.NGRAM_TREE_NODES
+    # > 0: the draft model drafts token trees of up to this many nodes (issue 15): with ``adaptive`` and the
+    # engine's policy in process, the policy chooses chain or tree per step from measured tokens per second;
+    # otherwise every step drafts this tree (depth γ). 0: chains
+    tree_nodes: int = D.TREE_NODES
+    # candidate chains per row and step, one propose call each, merged into one tree (engine.candidates)
+    draft_num: int = D.DRAFT_NUM
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # measure speculative vs plain goodput; decode plainly where it does not pay
     goodput_guard: bool = D.GOODPUT_GUARD
 
 
-def make_proposer(settings: EngineSettings, draft_model=None):
+def make_proposer(settings: EngineSettings, draft_model=None, policy: GammaPolicy | None = None):
+    """The proposer ``settings`` name; ``policy`` (the engine's) chooses the draft model's tree shape per step."""
     from draftpool.draft_model import DraftModelProposer
     from draftpool.ngram import NgramProposer
 
@@ -57,7 +64,9 @@ def make_proposer(settings: EngineSettings, draft_model=None):
         return NgramProposer(n_min=settings.ngram_min, n_max=settings.ngram_max, tree_nodes=settings.ngram_tree_nodes)
     model = draft_model if draft_model is not None else build_model(settings.draft, settings.device, settings.dtype)
     return DraftModelProposer(model, max_slots=settings.max_slots, max_len=settings.max_len,
-                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold)
+                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold,
+                              tree_nodes=settings.tree_nodes,
+                              tree_budget=policy.tree_budget if policy is not None and settings.tree_nodes else None)
 
 
 def make_verify_stage(settings: EngineSettings, target_model=None) -> VerifyStage:
@@ -69,7 +78,7 @@ def make_verify_stage(settings: EngineSettings, target_model=None) -> VerifyStag
 
 def make_policy(settings: EngineSettings) -> GammaPolicy:
     return GammaPolicy(gamma=settings.gamma, gamma_min=settings.gamma_min, gamma_max=settings.gamma_max,
-                       adaptive=settings.adaptive)
+                       adaptive=settings.adaptive, tree_nodes=settings.tree_nodes)
 
 
 def make_goodput(settings: EngineSettings) -> GoodputController | None:
@@ -89,11 +98,13 @@ def make_engine(settings: EngineSettings, *, stages: Stages | None = None, targe
     """An engine on ``stages`` (a router's ``RemoteStages``, or stages around models already built), or on
     in-process stages built from ``settings`` (models loaded unless given). Speculates when ``settings``
     names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for."""
+    policy = make_policy(settings)
     if stages is None:
         target_path, draft_path = spec_path(settings.target), spec_path(settings.draft)
         if target_path:
             check_pair(target_path, draft_path, where=(target_path, draft_path or ""))
-        stages = LocalStages(make_verify_stage(settings, target_model), make_proposer(settings, draft_model))
-    return Engine(stages, policy=make_policy(settings), eos_token_ids=eos_token_ids, max_len=settings.max_len,
+        stages = LocalStages(make_verify_stage(settings, target_model), make_proposer(settings, draft_model, policy))
+    return Engine(stages, policy=policy, eos_token_ids=eos_token_ids, max_len=settings.max_len,
                   max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
-                  speculate=settings.draft is not None, goodput=goodput or make_goodput(settings))
+                  speculate=settings.draft is not None, goodput=goodput or make_goodput(settings),
+                  draft_num=settings.draft_num)

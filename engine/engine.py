@@ -12,6 +12,9 @@ in-process it degenerates to plain sequential execution. Sequences join and leav
 (continuous batching); a joining sequence is prefilled by its first verify forward and its draft cache
 by its first proposal.
 
+With ``draft_num`` > 1 every row gets that many candidate chains per step, one propose call per branch,
+merged into one token tree the verifier checks in one pass (``engine/candidates.py``).
+
 An optional ``GoodputController`` (``engine/goodput.py``) is asked per micro-batch whether to speculate
 and fed each step's committed tokens and wall time; when it says plain, every row of that step gets γ = 0.
 """
@@ -24,6 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
+from engine.candidates import Candidates
 from engine.gamma import GammaPolicy, GammaState
 from engine.goodput import GoodputController, StepPlan
 from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
@@ -96,7 +100,8 @@ class Done:
 
 class Stages(Protocol):
     def submit_propose(self, items: Seq[ProposeItem], shard: int) -> Pending:
-        """Start drafting; ``shard`` (the micro-batch) lets a remote pool keep a group on one replica."""
+        """Start drafting; ``shard`` (the micro-batch) lets a remote pool keep a group on one replica, and the
+        items' ``branch`` (one call per branch with ``draft_num`` > 1) lets it put each branch on another."""
 
     def submit_verify(self, items: Seq[VerifyItem], proposal: ProposalBatch, shard: int) -> Pending: ...
 
@@ -128,7 +133,7 @@ class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3, goodput: GoodputController | None = None):
+                 max_failures: int = 3, goodput: GoodputController | None = None, draft_num: int = 1):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -139,6 +144,9 @@ class Engine:
         self.speculate = speculate
         self.max_failures = max_failures
         self.goodput = goodput  # measured guard: plain steps for a micro-batch when speculation does not pay
+        if draft_num < 1:
+            raise ValueError(f"draft_num must be >= 1, got {draft_num}")
+        self.draft_num = draft_num  # candidate chains per row and step, merged into a tree (engine.candidates)
         self.running: dict[int, Sequence] = {}
         self.finished: dict[int, Sequence] = {}  # until collected with ``output``
         self.waiting: list[Sequence] = []
@@ -234,7 +242,12 @@ class Engine:
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling))
             seq.proposer_base = len(seq.tokens)
-        return self.stages.submit_propose(items, shard), [seq.seq_id for seq in batch], plan
+        ids = [seq.seq_id for seq in batch]
+        if self.draft_num == 1 or not any(it.gamma for it in items):
+            return self.stages.submit_propose(items, shard), ids, plan
+        branches = [self.stages.submit_propose([replace(it, branch=b) for it in items], shard)
+                    for b in range(self.draft_num)]
+        return Candidates(branches), ids, plan
 
     @staticmethod
     def _drafted_for(pending: tuple[Pending, list[int], StepPlan | None], group: list[Sequence]) -> list[Sequence]:
@@ -260,6 +273,7 @@ class Engine:
             if seq_id in self.running:
                 self.running[seq_id].proposer_base = 0  # the proposer lost it: resend the whole history
         step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds)
+        nodes = dict(zip(proposal.seq_ids, proposal.lengths.tolist()))  # drafts verified: a tree's size
         events = []
         for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,
                                                        outcome.num_proposed):
@@ -283,7 +297,7 @@ class Engine:
             self.policy.observe(seq.gamma_state, proposed, accepted)
             new = self._append(seq, emitted)
             for st in (seq.stats, step_stats):
-                st.record(proposed, accepted, len(new))
+                st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))
             events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
             if seq.finish_reason is not None:
                 self._finish(seq)

@@ -35,6 +35,21 @@ really came down is taken up within a few steps.
 To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
 (``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
 all of this.
+
+Token trees (issue 15; ``tree_nodes`` > 0, the draft-model proposer asks ``tree_budget`` per step). The
+shape of a step is the chain of the chosen γ or a tree of n nodes grown to depth γ, for n on a ladder
+(powers of two above ``gamma_max`` up to ``tree_nodes``, so a tree's verify width never equals a chain's).
+Per bucket and per verify width w the policy measures, besides T(w), the tokens a row emits per step
+Y(w), and it prices a shape by Y(w) / T(w): tokens per second. From the chain up, the ladder is climbed
+while each size beats the one below; the first size not measured yet is tried (``min_samples`` steps),
+and the climb stops at the first size that does not pay. Measurements older than ``max_age`` steps of
+the bucket are forgotten, so the chain and the sizes above the chosen one are re-measured from time to
+time. A tree is priced against the best chain width measured (tree steps lift the α that γ is chosen
+from), and a size not measured yet is tried only if γ + 1 tokens per row (every path accepted) at its
+predicted cost would beat that. Where a wider verify costs more (a large batch, a compute-bound target)
+the trees lose and the step stays a chain. Sampled batches stay chains under the adaptive policy: their drafts are verified
+against the true q, and a seeded request's sample must not depend on timing. Fixed γ drafts the
+``tree_nodes`` tree every step.
 """
 
 from __future__ import annotations
@@ -128,6 +143,12 @@ class BucketCosts:
     plain_run: int = 0  # consecutive plain steps (0: the last step speculated)
     next_probe: int = 2  # plain_run (≥ 1) at which the bucket's batch probes
     measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
+    yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
+
+    def tokens_per_row(self, width: int, min_samples: int, max_age: int) -> float | None:
+        """Mean tokens a row emitted per step at this verify width, over its fresh samples."""
+        fresh = [y for n, y in self.yields.get(width, ()) if self.steps - n < max_age]
+        return sum(fresh) / len(fresh) if len(fresh) >= min_samples else None
 
     @property
     def probe_due(self) -> bool:
@@ -201,7 +222,10 @@ class GammaPolicy:
     refresh_every: int = 64  # speculative steps of a bucket between two plain steps that re-measure T(1)
     promising: float = 0.5  # a probe step this much cheaper than predicted is repeated at once
     cost_ratio: float = 0.1  # prior c, used until the cost model has measured a bucket
+    tree_nodes: int = 0  # the largest token tree (0: chains only)
     costs: CostModel = field(default_factory=CostModel)
+    # tokens emitted per row (accepted + 1) by ``observe``, attributed to the step's width by ``observe_step``
+    _emitted: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
     def __post_init__(self):
         if not 0 <= self.gamma_min <= self.gamma <= self.gamma_max:
@@ -209,6 +233,49 @@ class GammaPolicy:
                              f"{self.gamma_max}")
         if not 1 <= self.probe_first <= self.probe_every:
             raise ValueError(f"need 1 <= probe_first <= probe_every, got {self.probe_first}, {self.probe_every}")
+        if self.tree_nodes < 0 or (self.adaptive and 0 < self.tree_nodes <= self.gamma_max):
+            raise ValueError(f"tree_nodes must be 0 (chains) or, with adaptive γ, above gamma_max "
+                             f"({self.gamma_max}) so that trees and chains have distinct verify widths; "
+                             f"got {self.tree_nodes}")
+
+    def tree_sizes(self) -> list[int]:
+        """The ladder of tree node budgets the adaptive policy climbs (see the module docstring)."""
+        sizes, n = [], 1 << self.gamma_max.bit_length()
+        while n < self.tree_nodes:
+            sizes.append(n)
+            n *= 2
+        return sizes + [self.tree_nodes] if self.tree_nodes else []
+
+    def tree_budget(self, rows: int, gamma: int, sampled: bool) -> int:
+        """Node budget of the next step's token tree for ``rows`` drafting rows at depth γ; 0 for a chain."""
+        if not self.tree_nodes or gamma < 2:  # depth 1 gives too few candidates to fill a ladder size
+            return 0
+        if not self.adaptive:
+            return self.tree_nodes
+        if sampled:
+            return 0
+        bucket = self.costs.bucket(rows)
+        if self._rate(bucket, gamma + 1) is None:  # the chain first: it is what every tree must beat
+            return 0
+        # The best chain measured, not only this γ's: tree steps lift the α that γ is chosen from.
+        chains = (self._rate(bucket, w) for w in range(2, self.gamma_max + 2))
+        best, best_rate = 0, max(r for r in chains if r is not None)
+        for n in self.tree_sizes():
+            rate = self._rate(bucket, n + 1)
+            if rate is None:
+                # Tried only if it could pay: a tree emits at most γ + 1 tokens per row.
+                seconds = bucket.seconds.predict(n + 1)
+                return n if seconds is None or (gamma + 1) / seconds > best_rate else best
+            if rate <= best_rate:
+                break
+            best, best_rate = n, rate
+        return best
+
+    def _rate(self, bucket: BucketCosts, width: int) -> float | None:
+        """Measured tokens per row per second of steps of this verify width (None: not measured enough)."""
+        tokens = bucket.tokens_per_row(width, self.costs.min_samples, self.costs.max_age)
+        seconds = bucket.seconds.predict(width) if width in bucket.seconds.levels() else None
+        return None if tokens is None or seconds is None else tokens / seconds
 
     def speedup(self, alphas: Sequence[float], gamma: int) -> float:
         """Expected speed-up over plain decoding of γ drafts for a micro-batch of rows with these α."""
@@ -231,6 +298,7 @@ class GammaPolicy:
         return max(1, self.gamma_min) if bucket.probe_due else 0
 
     def observe(self, state: GammaState, proposed: int, accepted: int) -> None:
+        self._emitted.append(accepted + 1)
         if proposed == 0:
             return
         state.accepted = state.accepted * self.decay + accepted
@@ -245,6 +313,11 @@ class GammaPolicy:
         step costs). ``drafted``: the most draft tokens of any row (the verify width − 1)."""
         bucket = self.costs.bucket(rows)
         bucket.steps += 1
+        if self.tree_nodes and len(self._emitted) >= rows:  # the step's rows were observed last
+            recent = list(self._emitted)[-rows:]
+            bucket.yields.setdefault(drafted + 1, deque(maxlen=self.costs.window)).append(
+                (bucket.steps, sum(recent) / rows))
+        self._emitted.clear()
         if drafted == 0:
             bucket.since_plain = 0
             bucket.plain_run += 1

@@ -14,13 +14,17 @@ per scenario, at batch 1 and in one run:
   ``generate(prompt_lookup_num_tokens=…)`` on the same pair: their speed-ups over HF plain;
 - for scenarios named ``json`` and ``code``, the share of valid outputs (``evaluation/quality.py``: the
   completion of the prompt's opening, or the fenced / raw JSON or code of a chat answer);
+- chain vs token tree (issue 15; ``--trees``, default depth:nodes 4:16, 6:32, 8:64): mean tokens per target
+  pass of every fixed-γ chain and every fixed draft-model tree, the best of each and their ratio, and the
+  tokens/s of the automatic shape (the adaptive policy choosing chain or tree per step, ``--auto-tree-nodes``)
+  beside the adaptive chain's;
 - a batch row (``--batch``, default 16): plain vs speculative throughput of the engine over all prompts,
   with and without the goodput guard;
 - every speculative output checked token-identical to plain greedy decoding (counts shown), and the
   engine's plain output compared with HF's.
 
-Every prompt goes through all runs in turn (engine plain, adaptive, n-gram, each fixed γ, HF plain, HF
-assisted, HF prompt lookup; the order reversed every other prompt), so the ratios are measured side by
+Every prompt goes through all runs in turn (engine plain, adaptive, n-gram, each fixed γ, each fixed tree,
+the automatic shape, HF plain, HF assisted, HF prompt lookup; the order reversed every other prompt), so the ratios are measured side by
 side; ``--repeats N`` runs the whole round N times and times each (prompt, run) by its fastest, for a
 machine shared with other work. Models are built as ``serve`` builds them
 (``runtime.models.build_model``; on CPU that prepacks the Linear weights, see ``runtime/cpu_linear.py``)
@@ -37,7 +41,8 @@ with ``--prompts-file FILE``: JSON lines, one prompt each, in either form
 the order they first appear; ``--prompts N`` keeps the first N of each.
 
     python scripts/bench_scenarios.py [--target DIR --draft DIR] [--prompts-file F.jsonl] [--chat]
-        [--prompts 24] [--max-tokens 64] [--fixed-gammas 1-8] [--batch 16] [--skip-hf] [--out DIR]
+        [--prompts 24] [--max-tokens 64] [--fixed-gammas 1-8] [--trees 4:16,6:32,8:64] [--auto-tree-nodes 64]
+        [--batch 16] [--skip-hf] [--out DIR]
     specserve bench scenarios -- --prompts 8
 
 Writes DIR/scenarios.json, DIR/scenarios.md and DIR/scenarios.png (gain vs acceptance with the bound
@@ -137,6 +142,34 @@ def parse_gammas(spec: str) -> list[int]:
     return sorted(set(out))
 
 
+def parse_trees(spec: str) -> list[tuple[int, int]]:
+    """"4:16,8:64" (depth γ : node budget) or "none"."""
+    if spec.strip().lower() in ("", "none"):
+        return []
+    try:
+        trees = [(int(d), int(n)) for d, n in (part.strip().split(":") for part in spec.split(","))]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"trees are depth:nodes pairs, got {spec!r}") from e
+    if any(d < 1 or n < 1 for d, n in trees):
+        raise argparse.ArgumentTypeError(f"tree depth and nodes must be ≥ 1, got {spec!r}")
+    return trees
+
+
+class NodeCount:
+    """The engine's proposer, counting the draft tokens (a chain's drafts, a tree's nodes) it proposes."""
+
+    def __init__(self, proposer):
+        self.proposer, self.nodes = proposer, 0
+
+    def propose(self, items):
+        batch = self.proposer.propose(items)
+        self.nodes += int(batch.lengths.sum())
+        return batch
+
+    def release(self, seq_ids):
+        self.proposer.release(seq_ids)
+
+
 def cost_ratio(target, draft, prompt: list[int], steps: int = 40) -> float:
     """c = one draft decode forward / one target decode forward, batch 1, same context.
 
@@ -187,6 +220,10 @@ def main() -> int:
     parser.add_argument("--gamma-max", type=int, default=8)
     parser.add_argument("--fixed-gammas", type=parse_gammas, default="1-8",
                         help='fixed-γ sweep beside the adaptive policy: "1-8", "1,2,4" or "none"')
+    parser.add_argument("--trees", type=parse_trees, default="4:16,6:32,8:64",
+                        help='fixed draft-model trees beside the chains, depth:nodes pairs, or "none"')
+    parser.add_argument("--auto-tree-nodes", type=int, default=64,
+                        help="largest tree of the automatic shape run (0: no such run)")
     parser.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--batch", type=int, default=16, help="batch size of the throughput row (0: no row)")
     parser.add_argument("--threads", type=int, default=2)
@@ -232,14 +269,18 @@ def run(args) -> int:
                 raise PromptError(f"{s} prompt {p['id']!r}: {len(p['ids'])} tokens + --max-tokens "
                                   f"{args.max_tokens} exceed the context of {max_len} tokens")
 
-    def engine(proposer: str | None, slots: int = 1, guard: bool = False, gamma: int | None = None):
+    def engine(proposer: str | None, slots: int = 1, guard: bool = False, gamma: int | None = None,
+               tree_nodes: int = 0):
         """proposer: the draft folder, "ngram" (prompt lookup) or None (plain decoding); gamma: fixed γ
-        (None: the adaptive policy starting at --gamma)."""
+        (None: the adaptive policy starting at --gamma); tree_nodes: the draft model's tree budget."""
         settings = EngineSettings(target=args.target, draft=proposer, device="cpu", dtype="float32",
                                   max_len=max_len, max_slots=slots, gamma=gamma or args.gamma,
                                   gamma_max=max(gamma or 0, args.gamma_max), adaptive=gamma is None,
-                                  goodput_guard=guard)
-        return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
+                                  goodput_guard=guard, tree_nodes=tree_nodes)
+        eng = make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
+        if proposer == args.draft:
+            eng.stages.proposer = NodeCount(eng.stages.proposer)
+        return eng
 
     def engine_run(eng):
         def run_one(ids):
@@ -260,13 +301,19 @@ def run(args) -> int:
         prompt_ids = [p["ids"] for p in ps]
         eng_spec = engine(args.draft)
         runs = {"plain": engine_run(engine(None)), "spec": engine_run(eng_spec), "ngram": engine_run(engine("ngram"))}
-        runs.update({f"fixed{g}": engine_run(engine(args.draft, gamma=g)) for g in args.fixed_gammas})
+        shaped = {f"fixed{g}": engine(args.draft, gamma=g) for g in args.fixed_gammas}
+        shaped.update({f"tree{d}:{n}": engine(args.draft, gamma=d, tree_nodes=n) for d, n in args.trees})
+        if args.auto_tree_nodes:
+            shaped["auto"] = engine(args.draft, tree_nodes=args.auto_tree_nodes)
+        runs.update({name: engine_run(eng) for name, eng in shaped.items()})
         if not args.skip_hf:
             runs.update(hf_plain=hf_run(), hf_assisted=hf_run(assistant_model=draft),
                         hf_lookup=hf_run(prompt_lookup_num_tokens=args.prompt_lookup))
         for run_one in runs.values():
             run_one(prompt_ids[0][:8])  # warm-up: allocator, oneDNN primitives, first-call costs
-        eng_spec.stats = type(eng_spec.stats)()
+        for eng in [eng_spec, *shaped.values()]:
+            eng.stats = type(eng.stats)()
+            eng.stages.proposer.nodes = 0
         # Interleaved, so a slow spell of a shared machine lands on all runs alike.
         outputs, seconds = interleaved(runs, prompt_ids, args.repeats, tqdm(desc=scenario, file=sys.stderr,
                                                                              leave=False))
@@ -301,6 +348,7 @@ def run(args) -> int:
             row.update(fixed_tok_s={str(g): v for g, v in fixed.items()}, best_fixed_gamma=best,
                        best_fixed_tok_s=fixed[best], adaptive_over_best_fixed=tok_s["spec"] / fixed[best],
                        fixed_identical=fixed_identical)
+        row.update(shape_row(args, shaped, tok_s, outputs))
         row.update(validity(scenario, ps, texts))
         row["samples"] = [{"prompt": p["text"], "output": t} for p, t in zip(ps[:2], texts[:2])]
         if not args.skip_hf:
@@ -327,6 +375,29 @@ def run(args) -> int:
     print(table)
     print(f"\nwrote {out / 'scenarios.json'}, {out / 'scenarios.md'}, {out / 'scenarios.png'}")
     return 0
+
+
+def shape_row(args, shaped: dict, tok_s: dict, outputs: dict) -> dict:
+    """Chain vs tree for one scenario: tokens per target pass (emitted per verify step; batch 1) of each fixed
+    chain and tree, mean nodes verified per step, and the automatic shape's tokens/s over the adaptive
+    chain's."""
+    def per_pass(name):
+        st = shaped[name].stats
+        return {"tokens_per_pass": st.acceptance_length, "tok_s": tok_s[name], "accepted_depth": st.accepted_depth,
+                "mean_nodes": shaped[name].stages.proposer.nodes / max(st.steps, 1),
+                "identical": sum(a == b for a, b in zip(outputs["plain"], outputs[name]))}
+    row: dict = {"chains": {str(g): per_pass(f"fixed{g}") for g in args.fixed_gammas},
+                 "trees": {f"{d}:{n}": per_pass(f"tree{d}:{n}") for d, n in args.trees}}
+    if row["chains"] and row["trees"]:
+        best_chain = max(row["chains"], key=lambda g: row["chains"][g]["tokens_per_pass"])
+        best_tree = max(row["trees"], key=lambda t: row["trees"][t]["tokens_per_pass"])
+        row.update(best_chain=best_chain, best_tree=best_tree,
+                   tree_over_chain_per_pass=row["trees"][best_tree]["tokens_per_pass"]
+                   / row["chains"][best_chain]["tokens_per_pass"])
+    if "auto" in shaped:
+        row["auto"] = per_pass("auto")
+        row["auto_over_chain_tok_s"] = tok_s["auto"] / tok_s["spec"]
+    return row
 
 
 def interleaved(runs: dict, inputs: list, repeats: int, progress) -> tuple[dict, dict]:
@@ -411,6 +482,27 @@ def markdown(report: dict) -> str:
             cells += [f"{r['fixed_tok_s'][g]:.1f}" for g in gammas]
             cells += [str(r["best_fixed_gamma"]), f"**{r['adaptive_over_best_fixed']:.2f}**"]
             lines.append("| " + " | ".join(cells) + " |")
+    if rows[0].get("trees"):
+        chains, trees = list(rows[0]["chains"]), list(rows[0]["trees"])
+        head = (["scenario"] + [f"chain γ={g}" for g in chains] + [f"tree {t}" for t in trees]
+                + ["best tree / best chain", "chain tok/s* (adaptive)", "automatic tok/s*", "automatic / chain"])
+        lines += ["", "Chain vs tree at batch 1 (same run): mean tokens per target pass (tree d:n = depth d, "
+                  "n nodes; mean nodes verified per step in brackets), and tokens/s* of the automatic shape:", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["scenario"]] + [f"{r['chains'][g]['tokens_per_pass']:.2f}" for g in chains]
+            cells += [f"{r['trees'][t]['tokens_per_pass']:.2f} ({r['trees'][t]['mean_nodes']:.0f})" for t in trees]
+            cells.append(f"**{r['tree_over_chain_per_pass']:.2f}×** ({r['best_tree']} vs γ={r['best_chain']})"
+                         if "best_tree" in r else "(no fixed chain run)")
+            if "auto" in r:
+                cells += [f"{r['spec_tok_s']:.1f}", f"{r['auto']['tok_s']:.1f} (mean nodes "
+                          f"{r['auto']['mean_nodes']:.1f})", f"**{r['auto_over_chain_tok_s']:.2f}**"]
+            else:
+                cells += ["", "", ""]
+            lines.append("| " + " | ".join(cells) + " |")
+        same = sum(v["identical"] for r in rows for v in [*r["trees"].values(), *([r["auto"]] if "auto" in r else [])])
+        total = sum(r["prompts"] * (len(r["trees"]) + ("auto" in r)) for r in rows)
+        lines.append(f"Trees and the automatic shape: {same}/{total} outputs identical to plain greedy decoding.")
     lines.append("")
     b = report.get("batch")
     if b:

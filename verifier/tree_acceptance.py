@@ -150,6 +150,35 @@ def greedy_accept_tree(
 ) -> TreeAcceptance:
     """``tree_rejection_sample`` for greedy rows (one-hot p and q): the same outputs (tested against it) from
     the target's argmaxes alone — follow the first child that is the argmax, then emit the argmax there."""
+    row = torch.arange(tokens.shape[0], device=tokens.device)
+    return _follow(parents, tokens, num_nodes, lambda j, current: tokens[:, j] == target_argmax[row, current + 1],
+                   lambda current: target_argmax[row, current + 1])
+
+
+def tree_threshold_accept(
+    parents: torch.Tensor,  # [B, N] int64, as in tree_rejection_sample
+    tokens: torch.Tensor,  # [B, N] int64
+    num_nodes: torch.Tensor,  # [B] int64
+    target_probs: torch.Tensor,  # [B, N+1, V] float, warped p after the prefix and after every node
+    threshold: torch.Tensor,  # [B] float in (0, 1]
+    exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the token after the accepted path
+) -> TreeAcceptance:
+    """The lossy threshold rule (``rejection.threshold_accept``) over a tree: follow the first child whose
+    token the target gives at least ``threshold`` probability after the current node, then sample one token
+    from p there. Not distribution-preserving: opt-in only. A chain gives ``threshold_accept``'s outputs."""
+    row = torch.arange(tokens.shape[0], device=tokens.device)
+    safe = tokens.clamp(0, target_probs.shape[-1] - 1)
+
+    def passes(j, current):
+        return target_probs[row, current + 1].gather(-1, safe[:, j : j + 1]).squeeze(-1) >= threshold
+
+    return _follow(parents, tokens, num_nodes, passes, lambda current: race(target_probs[row, current + 1], exp_noise))
+
+
+def _follow(parents: torch.Tensor, tokens: torch.Tensor, num_nodes: torch.Tensor,  # as in greedy_accept_tree
+            takes, last) -> TreeAcceptance:
+    """The deterministic walk down a tree: from the root, the first child (in index order) that
+    ``takes(j, current)`` is accepted; then ``last(current)`` is the token after the accepted path."""
     B, N = tokens.shape
     device = tokens.device
     row = torch.arange(B, device=device)
@@ -159,11 +188,10 @@ def greedy_accept_tree(
     path = torch.full((B, N), PAD, dtype=torch.long, device=device)
     output = torch.full((B, N + 1), PAD, dtype=torch.long, device=device)
     for j in range(N):
-        wanted = target_argmax[row, current + 1]  # the argmax after the current node
-        accepted = valid[:, j] & (parents[:, j] == current) & (tokens[:, j] == wanted)
+        accepted = valid[:, j] & (parents[:, j] == current) & takes(j, current)
         path[row, num_accepted] = torch.where(accepted, j, path[row, num_accepted])
         output[row, num_accepted] = torch.where(accepted, tokens[:, j], output[row, num_accepted])
         num_accepted = num_accepted + accepted.long()
         current = torch.where(accepted, j, current)
-    output[row, num_accepted] = target_argmax[row, current + 1]
+    output[row, num_accepted] = last(current)
     return TreeAcceptance(output, num_accepted, path)

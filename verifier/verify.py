@@ -8,11 +8,12 @@ back is implicit: the rejected drafts' K/V stay in the slot past the committed l
 overwritten by the next forward.
 
 A proposal that carries a token tree (``ProposalBatch.parents``, issue 15) is scored by one
-``ModelRunner.tree_forward`` over every node; ``greedy_accept_tree`` (all-greedy batches) or
-``tree_rejection_sample`` picks the accepted path plus one recovered/bonus token, and
+``ModelRunner.tree_forward`` over every node; ``greedy_accept_tree`` (all-greedy batches),
+``tree_rejection_sample`` (or the opt-in ``tree_threshold_accept``) picks the accepted path plus one token, and
 ``ModelRunner.commit_paths`` moves the path's K/V to where a chain would have written them. The outcome is
 the same as a chain's: the emitted tokens, with the tree's depth as the positions proposed. Trees carry no
-draft q yet (one-hot q: the n-gram proposer), and the lossy threshold mode takes chains only.
+draft q (one-hot q: the n-gram proposer, the draft model's top-k trees, merged branch chains); a tree with q
+is refused before any sync or forward.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from runtime.runner import ModelRunner
 from runtime.sampling import sampling_tensors, warp_probs
 from runtime.token_tree import depths
 from verifier.rejection import adjust_threshold, greedy_accept, rejection_sample, threshold_accept
-from verifier.tree_acceptance import greedy_accept_tree, tree_rejection_sample
+from verifier.tree_acceptance import greedy_accept_tree, tree_rejection_sample, tree_threshold_accept
 
 
 @dataclass
@@ -68,6 +69,7 @@ class VerifyStage:
 
     def verify(self, items: Sequence[VerifyItem], proposal: ProposalBatch) -> VerifyOutcome:
         t0 = time.perf_counter()
+        self._check_tree(proposal)
         prop_row = {s: b for b, s in enumerate(proposal.seq_ids)}
         resync = [it.sync.seq_id for it in items if not self.runner.sync(it.sync)]
         live = [it for it in items if it.sync.seq_id not in resync]
@@ -113,6 +115,15 @@ class VerifyStage:
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
 
+    def _check_tree(self, proposal: ProposalBatch) -> None:
+        """Refuse a tree this stage cannot verify exactly, before anything runs: a refused proposal costs no
+        forward and leaves every cache as it was."""
+        if proposal.parents is None:
+            return
+        if proposal.q_ids is not None:
+            raise ValueError("a token-tree proposal must carry no draft q (q_ids/q_probs None): trees are verified "
+                             "with one-hot q, which is exact for any proposal drawn independently of the verifier")
+
     def _accept(self, live: Sequence[VerifyItem], drafts: list[list[int]], prop_rows: list[int],
                 proposal: ProposalBatch, logits: torch.Tensor,  # [B, G+1, V] on the runner's device
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # output [B, G+1], accepted [B], on the device
@@ -146,18 +157,19 @@ class VerifyStage:
                      proposal: ProposalBatch, logits: torch.Tensor,  # [B, N+1, V] on the runner's device
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output [B, N+1], accepted [B], path [B, N]
         """``_accept`` for token trees: the same draws (one coin per node, counter = node index)."""
-        if proposal.q_ids is not None or self.acceptance.mode == "threshold":
-            raise ValueError("token trees are verified with one-hot q and exact acceptance only "
-                             "(no draft q over trees, no threshold mode yet)")
         B, N = len(live), logits.shape[1] - 1
         dev = logits.device
         rows = torch.tensor([t + [0] * (N - len(t)) + p + [-1] * (N - len(p)) + [len(t)]
                              for t, p in zip(nodes, parents)], dtype=torch.long).view(B, 2 * N + 1)
         rows = to_device(rows, dev)
         tokens, tree, num_nodes = rows[:, :N], rows[:, N:2 * N], rows[:, 2 * N]
-        if all(it.sampling.greedy for it in live):
+        threshold = self.acceptance.mode == "threshold"
+        if all(it.sampling.greedy for it in live) and not threshold:
             return greedy_accept_tree(tree, tokens, num_nodes, logits.argmax(-1))
         target_probs, noise, coin_keys = self._target_draws(live, logits)
+        if threshold:
+            return tree_threshold_accept(tree, tokens, num_nodes, target_probs,
+                                         torch.full((B,), self.threshold, device=dev), noise)
         uniform = rng.uniform(coin_keys, torch.arange(N, device=dev))
         return tree_rejection_sample(tree, tokens, num_nodes, target_probs, None, uniform, noise)
 

@@ -71,7 +71,8 @@ def transport(variant):
 def router(ray_cluster, tp, transport):
     """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group,
     both over Serve handles; then with a single-process verifier and every step's frames over compiled-graph
-    channels to the stage replicas' workers (docs/transport.md)."""
+    channels to the stage replicas' workers (docs/transport.md), drafting two candidates per step
+    (``speculation.draft_num``): a micro-batch's two branches go to the two draft workers."""
     from ray import serve
 
     from deployments.app import build_app
@@ -80,6 +81,8 @@ def router(ray_cluster, tp, transport):
     APP = f"spec-{transport}-tp{tp}"
     args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp},
             "router": {**ARGS["router"], "transport": transport}}
+    if transport == "compiled":  # two candidate chains per step, one per draft worker, verified as one tree
+        args["speculation"] = {**ARGS["speculation"], "draft_num": 2}
     deploy(build_app(args), APP)
     handle = serve.get_deployment_handle("Router", app_name=APP)
     if transport != "handles":  # the router's directory registers each worker once its model is loaded
@@ -148,6 +151,9 @@ def test_64_concurrent_streaming_and_unary(router, prompts, references):
         assert calls.get("verify", 0) - was.get("verify", 0) >= 10, (was, calls)
         assert calls.get("draft", 0) - was.get("draft", 0) >= 10, (was, calls)
         assert calls.get("verify_handles", 0) == was.get("verify_handles", 0), (was, calls)
+        # draft_num 2: every speculative step drafted on both workers (prefill-only steps draft nothing)
+        drafts, verifies = (calls.get(k, 0) - was.get(k, 0) for k in ("draft", "verify"))
+        assert drafts >= 1.5 * verifies, (was, calls)
 
 
 def test_killing_a_draft_replica_loses_no_request(router, prompts, references):

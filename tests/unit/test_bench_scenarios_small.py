@@ -66,7 +66,12 @@ def test_small_run_writes_a_complete_report(tmp_path):
     table = (out / "scenarios.md").read_text()
     assert table.startswith("| scenario |")
     assert "| γ=1 | γ=2 | γ=3 | best fixed γ | adaptive / best fixed |" in table
-    assert sum(line.startswith(("| json |", "| code |", "| prose |")) for line in table.splitlines()) == 6
+    # the scenario table, the fixed-γ table, and chain vs tree
+    assert sum(line.startswith(("| json |", "| code |", "| prose |")) for line in table.splitlines()) == 9
+    assert "Chain vs tree at batch 1" in table
+    for row in report["scenarios"]:
+        assert row["best_tree"] in row["trees"] and row["best_chain"] in row["chains"]
+        assert all(t["identical"] == 2 for t in row["trees"].values()) and row["auto"]["identical"] == 2
     assert "Greedy identity at batch 1: 6/6" in table and "fixed γ 18/18" in table and "n-gram proposer 6/6" in table
     assert (out / "scenarios.png").stat().st_size > 10_000
     assert "| json |" in done.stdout

@@ -80,15 +80,17 @@ def test_exact_config_logs_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("draft_num", [2, 6])
-def test_draft_num_above_one_refused(draft_num: int) -> None:
-    with pytest.raises(ConfigError, match=r"speculative_decoding\.draft_num") as e:
-        ClusterConfig.from_dict({**TINY, "speculative_decoding": {"draft_num": draft_num}})
-    assert "multi-draft verification" in str(e.value) and "draft_num: 1" in str(e.value)
+def test_the_configuration_example_with_six_drafts_maps_onto_native_fields() -> None:
+    """The alternative layout's configuration example, verbatim: six candidate chains per step."""
+    block = {"draft_num": 6, "temperature": 0.7, "verify_threshold": 0.9, "batch_size": 32}
+    cfg = ClusterConfig.from_dict({**TINY, "speculative_decoding": block})
+    assert cfg.speculation.draft_num == 6
+    assert (cfg.speculation.acceptance, cfg.speculation.threshold) == ("threshold", 0.9)
+    assert ClusterConfig.from_dict(cfg.to_serve_args()).speculation.draft_num == 6
 
 
 def test_draft_num_must_be_a_positive_int() -> None:
-    with pytest.raises(ConfigError, match="draft_num"):
+    with pytest.raises(ValueError, match=r"speculation\.draft_num"):
         ClusterConfig.from_dict({**TINY, "speculative_decoding": {"draft_num": 0}})
 
 
@@ -152,7 +154,10 @@ def test_yaml_that_is_not_a_mapping_refused(tmp_path: Path) -> None:
         ({"speculation": {"acceptance": "threshold", "threshold": 1.5}}, "speculation.threshold"),
         ({"speculation": {"dynamic_adjust": True}}, "speculation.dynamic_adjust"),
         ({"speculation": {"confidence_threshold": 1.0}}, "speculation.confidence_threshold"),
-        ({"speculation": {"max_parallel_drafts": 2}}, "speculation.max_parallel_drafts"),
+        ({"speculation": {"draft_num": 9}}, "speculation.draft_num"),
+        ({"speculation": {"draft_num": 2}, "draft": {"kind": "none"}}, "speculation.draft_num"),
+        ({"speculation": {"tree_nodes": 8, "gamma_max": 8}}, "speculation.tree_nodes"),
+        ({"speculation": {"tree_nodes": 32, "draft_num": 2}}, "speculation.tree_nodes"),
         ({"draft_pool": {"num_replicas": -1}}, "draft_pool.num_replicas"),
         ({"draft_pool": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
          "draft_pool.autoscaling.min_replicas"),

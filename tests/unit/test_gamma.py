@@ -325,3 +325,75 @@ def test_engine_feeds_every_decode_step_to_the_cost_model(target):
     slow = [x for samples in bucket.seconds.samples.values() for _, x in samples if x >= 0.2]
     assert len(slow) <= 1  # the prefill never; the slowed step once, if still in its window
     assert all(m < 0.2 for m in bucket.seconds.levels().values())
+
+
+# -- token-tree shape (issue 15) -----------------------------------------------------------------------------
+
+
+def _tree_step(policy: GammaPolicy, rows: int, gamma: int, tokens: dict[int, int], seconds: dict[int, float]
+               ) -> int:
+    """One synthetic decode step: the policy's shape, the rows' emitted tokens and the step's wall time at that
+    shape (by node count: 0 = the chain of γ). Returns the node budget it chose."""
+    nodes = policy.tree_budget(rows, gamma, sampled=False)
+    width = (nodes or gamma) + 1
+    state = GammaState()
+    for _ in range(rows):
+        policy.observe(state, gamma, tokens[nodes] - 1)
+    policy.observe_step(rows, width - 1, seconds[nodes])
+    return nodes
+
+
+def test_tree_ladder_and_validation():
+    assert GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=64).tree_sizes() == [16, 32, 64]
+    assert GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=48).tree_sizes() == [16, 32, 48]
+    assert GammaPolicy(adaptive=True, gamma_max=4, tree_nodes=12).tree_sizes() == [8, 12]
+    assert GammaPolicy(adaptive=True).tree_sizes() == []
+    with pytest.raises(ValueError, match="above gamma_max"):
+        GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=8)
+    fixed = GammaPolicy(gamma=4, tree_nodes=6)  # a fixed γ drafts its tree every step, any size
+    assert fixed.tree_budget(1, 4, sampled=True) == 6 and fixed.tree_budget(1, 1, sampled=False) == 0
+    adaptive = GammaPolicy(adaptive=True, tree_nodes=64)
+    assert adaptive.tree_budget(1, 4, sampled=True) == 0  # sampled batches keep chains (true q, seeds)
+    assert adaptive.tree_budget(1, 4, sampled=False) == 0  # nothing measured yet: the chain first
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("trees pay up to 32 nodes", 32),  # 64 costs too much for what it adds
+    ("verify cost steep (large batch)", 0),  # no tree beats the chain: it stays a chain
+    ("every size pays", 64),
+])
+def test_tree_budget_climbs_while_it_pays(case, expected):
+    tokens = {0: 2, 16: 3, 32: 4, 64: 5}
+    seconds = {"trees pay up to 32 nodes": {0: 1.0, 16: 1.1, 32: 1.2, 64: 1.8},
+               "verify cost steep (large batch)": {0: 1.0, 16: 1.6, 32: 2.5, 64: 4.0},
+               "every size pays": {0: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}}[case]
+    policy = GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=64)
+    chosen = [_tree_step(policy, 1, 4, tokens, seconds) for _ in range(40)]
+    assert chosen[-10:] == [expected] * 10, chosen
+    # Sizes above the first one that does not pay are never tried.
+    tried = set(chosen)
+    assert tried == {0, 16, 32, 64} if expected == 64 else tried <= {0, 16, 32, 64}
+    if expected == 0:
+        assert tried == {0, 16}
+
+
+def test_tree_budget_remeasures_the_chain_and_follows_a_change():
+    """Measurements age out: the chain is re-measured now and then, and a tree that stops paying is dropped."""
+    tokens = {0: 2, 16: 4, 32: 4, 64: 5}
+    cheap = {0: 1.0, 16: 1.05, 32: 1.5, 64: 2.0}
+    policy = GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=64)
+    chosen = [_tree_step(policy, 1, 4, tokens, cheap) for _ in range(200)]
+    assert chosen[-50:].count(16) > 40 and 0 in chosen[-100:]
+    dear = {0: 1.0, 16: 2.0, 32: 3.0, 64: 4.0}
+    chosen = [_tree_step(policy, 1, 4, tokens, dear) for _ in range(200)]
+    assert chosen[-50:].count(0) > 45
+
+
+def test_tree_budget_is_per_batch_bucket():
+    tokens = {0: 2, 16: 4, 32: 4, 64: 5}
+    policy = GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=64)
+    for _ in range(40):
+        _tree_step(policy, 1, 4, tokens, {0: 1.0, 16: 1.1, 32: 1.5, 64: 2.0})
+        _tree_step(policy, 16, 4, tokens, {0: 1.0, 16: 3.0, 32: 5.0, 64: 9.0})
+    assert policy.tree_budget(1, 4, sampled=False) == 16
+    assert policy.tree_budget(16, 4, sampled=False) == 0

@@ -8,7 +8,7 @@ from cluster import metrics
 
 
 def test_metric_specs_are_well_formed() -> None:
-    assert len(metrics.METRICS) == 29
+    assert len(metrics.METRICS) == 30
     for name, spec in metrics.METRICS.items():
         assert name == spec.name and re.fullmatch(r"specserve_[a-z_]+", name)
         assert not name.endswith("_total"), "Ray's exporter adds _total to counters"

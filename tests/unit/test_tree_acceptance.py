@@ -34,8 +34,8 @@ from scipy.stats import chi2
 from runtime import rng
 from runtime.sampling import race, warp_probs
 from tests.unit.helpers import P_MIN
-from verifier.rejection import PAD, greedy_accept, rejection_sample
-from verifier.tree_acceptance import ROOT, greedy_accept_tree, tree_rejection_sample
+from verifier.rejection import PAD, greedy_accept, rejection_sample, threshold_accept
+from verifier.tree_acceptance import ROOT, greedy_accept_tree, tree_rejection_sample, tree_threshold_accept
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -286,6 +286,28 @@ def test_chain_equals_rejection_sample(logit_scale):
     chain_out, chain_acc = greedy_accept(drafts, num_draft, argmax)
     tree = greedy_accept_tree(parents, drafts, num_draft, argmax)
     assert torch.equal(tree.output, chain_out) and torch.equal(tree.num_accepted, chain_acc)
+    threshold = torch.full((B,), 0.05)
+    chain_out, chain_acc = threshold_accept(drafts, num_draft, p, threshold, noise)
+    tree = tree_threshold_accept(parents, drafts, num_draft, p, threshold, noise)
+    assert torch.equal(tree.output, chain_out) and torch.equal(tree.num_accepted, chain_acc)
+    assert 0 < int(chain_acc.sum()) < int(num_draft.sum())
+
+
+def test_threshold_table():
+    """The lossy rule follows the first child the target gives ≥ threshold, then samples p after it."""
+    p = torch.zeros(1, 5, V)
+    p[0, 0, [4, 5]] = torch.tensor([0.3, 0.7])  # after the prefix: 4 below the threshold, 5 above
+    p[0, 2, 6] = 1.0  # after node 1 (token 5): 6 for sure
+    p[0, 3, 8] = 1.0  # after node 2 (token 7): never reached
+    p[0, 4, 9] = 1.0  # after node 3 (token 6): 9
+    parents = torch.tensor([[ROOT, ROOT, 1, 1]])
+    tokens = torch.tensor([[4, 5, 7, 6]])
+    noise = torch.ones(1, V)
+    out = tree_threshold_accept(parents, tokens, torch.tensor([4]), p, torch.tensor([0.5]), noise)
+    assert out.num_accepted.tolist() == [2] and out.path[0, :2].tolist() == [1, 3]
+    assert out.output[0, :3].tolist() == [5, 6, 9]
+    out = tree_threshold_accept(parents, tokens, torch.tensor([4]), p, torch.tensor([0.8]), noise)
+    assert out.num_accepted.tolist() == [0] and out.output[0, 0].item() == 5  # sampled from p: 0.7 beats 0.3
 
 
 def test_repeated_sibling_token_is_never_accepted():
