@@ -294,7 +294,7 @@ class Engine:
                 continue
             seq.failures = 0
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
-            self.policy.observe(seq.gamma_state, proposed, accepted)
+            self.policy.observe(seq.gamma_state, proposed, accepted, nodes.get(seq_id, 0))
             new = self._append(seq, emitted)
             for st in (seq.stats, step_stats):
                 st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))

@@ -44,9 +44,10 @@ Y(w), and it prices a shape by Y(w) / T(w): tokens per second. From the chain up
 while each size beats the one below; the first size not measured yet is tried (``min_samples`` steps),
 and the climb stops at the first size that does not pay. Measurements older than ``max_age`` steps of
 the bucket are forgotten, so the chain and the sizes above the chosen one are re-measured from time to
-time. A tree is priced against the best chain width measured (tree steps lift the α that γ is chosen
-from), and a size not measured yet is tried only if γ + 1 tokens per row (every path accepted) at its
-predicted cost would beat that. Where a wider verify costs more (a large batch, a compute-bound target)
+time. A tree is priced against the best chain width measured, and a size not measured yet is tried only
+if γ + 1 tokens per row (every path accepted) at its cost predicted from the chain's line would beat that.
+A tree step's seconds and accepted depth are kept out of the chain's cost line and of α, so trying a tree
+never moves the γ the chain steps use. Where a wider verify costs more (a large batch, a compute-bound target)
 the trees lose and the step stays a chain. Sampled batches stay chains under the adaptive policy: their drafts are verified
 against the true q, and a seeded request's sample must not depend on timing. Fixed γ drafts the
 ``tree_nodes`` tree every step.
@@ -138,6 +139,9 @@ class BucketCosts:
     """What the engine measured at one batch-size bucket, and the bucket's probe schedule."""
 
     seconds: WidthCosts  # step wall time by verify width γ + 1 (1 = a plain step)
+    # step wall time of token-tree steps by verify width (nodes + 1, all above γ_max + 1): kept apart so
+    # that trying a tree never moves the line the chain's γ is chosen from
+    trees: WidthCosts | None = None
     steps: int = 0  # decode steps observed
     since_plain: int = 0  # decode steps since the last plain one
     plain_run: int = 0  # consecutive plain steps (0: the last step speculated)
@@ -176,10 +180,16 @@ class CostModel:
             self.buckets[key] = BucketCosts(WidthCosts(self.window, self.min_samples, self.max_age))
         return self.buckets[key]
 
-    def record(self, rows: int, drafted: int, seconds: float) -> None:
-        """One decode step's wall time; ``drafted`` = 0 for a plain step."""
-        self.bucket(rows).seconds.add(drafted + 1, seconds)
-        self._memo.clear()
+    def record(self, rows: int, drafted: int, seconds: float, tree: bool = False) -> None:
+        """One decode step's wall time; ``drafted`` = 0 for a plain step, a tree's nodes for a tree step."""
+        bucket = self.bucket(rows)
+        if not tree:
+            bucket.seconds.add(drafted + 1, seconds)
+            self._memo.clear()
+            return
+        if bucket.trees is None:
+            bucket.trees = WidthCosts(self.window, self.min_samples, self.max_age)
+        bucket.trees.add(drafted + 1, seconds)
 
     def relative_cost(self, rows: int, gamma: int) -> float | None:
         """Seconds of a step with γ drafts over a plain step's, at the nearest bucket that measured both."""
@@ -257,7 +267,7 @@ class GammaPolicy:
         bucket = self.costs.bucket(rows)
         if self._rate(bucket, gamma + 1) is None:  # the chain first: it is what every tree must beat
             return 0
-        # The best chain measured, not only this γ's: tree steps lift the α that γ is chosen from.
+        # The best chain measured, not only this γ's: γ follows α from step to step.
         chains = (self._rate(bucket, w) for w in range(2, self.gamma_max + 2))
         best, best_rate = 0, max(r for r in chains if r is not None)
         for n in self.tree_sizes():
@@ -274,7 +284,8 @@ class GammaPolicy:
     def _rate(self, bucket: BucketCosts, width: int) -> float | None:
         """Measured tokens per row per second of steps of this verify width (None: not measured enough)."""
         tokens = bucket.tokens_per_row(width, self.costs.min_samples, self.costs.max_age)
-        seconds = bucket.seconds.predict(width) if width in bucket.seconds.levels() else None
+        costs = bucket.trees if width > self.gamma_max + 1 else bucket.seconds
+        seconds = costs.level(width) if costs is not None else None
         return None if tokens is None or seconds is None else tokens / seconds
 
     def speedup(self, alphas: Sequence[float], gamma: int) -> float:
@@ -297,9 +308,10 @@ class GammaPolicy:
             return best
         return max(1, self.gamma_min) if bucket.probe_due else 0
 
-    def observe(self, state: GammaState, proposed: int, accepted: int) -> None:
+    def observe(self, state: GammaState, proposed: int, accepted: int, nodes: int = 0) -> None:
+        """One row's verify step; ``nodes``: the drafts verified (a tree step's nodes, above γ_max)."""
         self._emitted.append(accepted + 1)
-        if proposed == 0:
+        if proposed == 0 or nodes > self.gamma_max:  # a tree's accepted depth is not the chain's α
             return
         state.accepted = state.accepted * self.decay + accepted
         state.rejections = state.rejections * self.decay + (1 if accepted < proposed else 0)
@@ -331,7 +343,7 @@ class GammaPolicy:
                 bucket.next_probe = self.probe_first
             bucket.plain_run = 0
         if seconds > 0:
-            self.costs.record(rows, drafted, seconds)
+            self.costs.record(rows, drafted, seconds, tree=bool(self.tree_nodes) and drafted > self.gamma_max)
         # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
         # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``.
         widths = bucket.seconds.levels()
