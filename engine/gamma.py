@@ -44,13 +44,14 @@ Y(w), and it prices a shape by Y(w) / T(w): tokens per second. From the chain up
 while each size beats the one below; the first size not measured yet is tried (``min_samples`` steps),
 and the climb stops at the first size that does not pay. Measurements older than ``max_age`` steps of
 the bucket are forgotten, so the chain and the sizes above the chosen one are re-measured from time to
-time. A tree is priced against the best chain width measured, and a size not measured yet is tried only
-if γ + 1 tokens per row (every path accepted) at its cost predicted from the chain's line would beat that.
-A tree step's seconds and accepted depth are kept out of the chain's cost line and of α, so trying a tree
-never moves the γ the chain steps use. Where a wider verify costs more (a large batch, a compute-bound target)
-the trees lose and the step stays a chain. Sampled batches stay chains under the adaptive policy: their drafts are verified
-against the true q, and a seeded request's sample must not depend on timing. Fixed γ drafts the
-``tree_nodes`` tree every step.
+time. A tree is priced against the best chain width measured. The smallest size is tried only if γ + 1
+tokens per row (every path accepted) at its cost read off the chain's line (which needs two measured
+widths for a slope) would beat that, and a larger one only after the size below it paid: where a wider
+verify costs about in proportion to its width (a large batch, a compute-bound target on a CPU) trees
+are seldom tried and the step stays a chain. A tree step's seconds and accepted depth are kept out of
+the chain's cost line and of α, so trying a tree never moves the γ the chain steps use. Sampled batches
+stay chains under the adaptive policy: their drafts are verified against the true q, and a seeded
+request's sample must not depend on timing. Fixed γ drafts the ``tree_nodes`` tree every step.
 """
 
 from __future__ import annotations
@@ -273,9 +274,13 @@ class GammaPolicy:
         for n in self.tree_sizes():
             rate = self._rate(bucket, n + 1)
             if rate is None:
-                # Tried only if it could pay: a tree emits at most γ + 1 tokens per row.
-                seconds = bucket.seconds.predict(n + 1)
-                return n if seconds is None or (gamma + 1) / seconds > best_rate else best
+                # Tried after a smaller tree paid; the first size only where the chain's cost line (two widths
+                # measured give it a slope) leaves room for γ + 1 tokens per row, the most a tree emits.
+                if best:
+                    return n
+                if len(bucket.seconds.levels()) < 2:
+                    return best
+                return n if (gamma + 1) / bucket.seconds.predict(n + 1) > best_rate else best
             if rate <= best_rate:
                 break
             best, best_rate = n, rate

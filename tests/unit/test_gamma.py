@@ -333,7 +333,12 @@ def test_engine_feeds_every_decode_step_to_the_cost_model(target):
 def _tree_step(policy: GammaPolicy, rows: int, gamma: int, tokens: dict[int, int], seconds: dict[int, float]
                ) -> int:
     """One synthetic decode step: the policy's shape, the rows' emitted tokens and the step's wall time at that
-    shape (by node count: 0 = the chain of γ). Returns the node budget it chose."""
+    shape (by node count: 0 = the chain of γ). Returns the node budget it chose. A bucket's first call
+    measures plain steps first (at 0.8× the chain's time), as the adaptive policy's own schedule does: the
+    chain's cost line needs a slope before it can price an unmeasured tree."""
+    if policy.costs.bucket(rows).steps == 0:
+        for _ in range(policy.costs.min_samples):
+            policy.observe_step(rows, 0, 0.8 * seconds[0])
     nodes = policy.tree_budget(rows, gamma, sampled=False)
     width = (nodes or gamma) + 1
     state = GammaState()
