@@ -17,6 +17,7 @@ from engine.assembly import EngineSettings, make_verify_stage
 from engine.assembly import make_engine as assemble
 from engine.engine import Engine, LocalStages
 from runtime.runner import ModelRunner
+from runtime.token_tree import depths
 from verifier.verify import AcceptanceConfig
 
 VOCAB = 96  # tiny_llama's default; ids 0, 1, 2 are bos, eos, pad in its config
@@ -104,3 +105,28 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     if len(obs) < 2:
         return 1.0  # a point mass: nothing to test beyond the support check above
     return float(chisquare(obs, exp).pvalue)
+
+
+class RecordingProposer:
+    """A real proposer, keeping each row's tree (a chain too) and each drafting row's branch, so a test can
+    see what was verified."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.runner = getattr(proposer, "runner", None)
+        self.trees: list[list[int]] = []
+        self.branches: list[int] = []
+
+    def propose(self, items):
+        self.branches.extend(it.branch for it in items if it.gamma)
+        batch = self.proposer.propose(items)
+        self.trees.extend(batch.row_parents(b) for b in range(len(batch.seq_ids)))
+        return batch
+
+    def release(self, seq_ids):
+        self.proposer.release(seq_ids)
+
+
+def wide(parents: list[int]) -> bool:
+    """Some node of the tree has two or more children (the root counts as a node)."""
+    return len(parents) > max(depths(parents), default=-1) + 1

@@ -22,7 +22,7 @@ from engine.engine import Request
 from runtime.models import noisy_copy, tiny_llama
 from runtime.protocol import ProposalBatch, SamplingParams
 from runtime.token_tree import depths
-from tests.unit.helpers import MAX_NEW, NOISE, hf_greedy, make_engine, run_to_end
+from tests.unit.helpers import MAX_NEW, NOISE, RecordingProposer, hf_greedy, make_engine, run_to_end
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,23 +70,8 @@ def test_merge_refuses_mismatched_rows_and_trees():
         merge_chains([tree, chains([[1]])])
 
 
-class Recording:
-    """The real proposer, keeping each call's branch and the engine's merged trees' widths."""
-
-    def __init__(self, proposer):
-        self.proposer = proposer
-        self.branches: list[int] = []
-
-    def propose(self, items):
-        self.branches.extend(it.branch for it in items if it.gamma)
-        return self.proposer.propose(items)
-
-    def release(self, seq_ids):
-        self.proposer.release(seq_ids)
-
-
 def _engine(target, draft, draft_num: int, **kw):
-    proposer = Recording(DraftModelProposer(draft, max_slots=16, max_len=128))
+    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=16, max_len=128))
     engine = make_engine(target, proposer, gamma=4, draft_num=draft_num, **kw)
     widths = []
     verify = engine.stages.verifier.verify
@@ -131,7 +116,7 @@ def test_joins_cancels_and_sampled_rows_beside_greedy_ones(target, noisy_draft, 
         assert engine.output(seq_id).tokens == refs[i]
     assert all(engine.output(seq_id).finish_reason == "cancelled" for seq_id in cancelled)
     assert engine.stages.verifier.runner.pool.slots_in_use == 0
-    assert engine.stages.proposer.proposer.runner.pool.slots_in_use == 0
+    assert engine.stages.proposer.runner.pool.slots_in_use == 0
     for seq_id in sampled_ids:
         out = engine.output(seq_id)
         assert len(out.tokens) == MAX_NEW and all(0 <= t < target.config.vocab_size for t in out.tokens)

@@ -27,34 +27,14 @@ from engine.engine import Request
 from runtime.models import noisy_copy, tiny_llama
 from runtime.protocol import ProposalBatch, ProposeItem, SamplingParams, SyncItem, VerifyItem
 from runtime.token_tree import depths
-from tests.unit.helpers import MAX_NEW, NOISE, P_MIN, chi2_pvalue, hf_greedy, make_engine, run_to_end
+from tests.unit.helpers import (MAX_NEW, NOISE, P_MIN, RecordingProposer, chi2_pvalue, hf_greedy, make_engine,
+                                run_to_end, wide)
 from tests.unit.test_engine_sampling import V32, _exact_joint, _sample_pairs
 from verifier.verify import AcceptanceConfig
 
 pytestmark = pytest.mark.timeout(300)
 
 MAX_LEN = 128
-
-
-def _wide(parents: list[int]) -> bool:
-    return len(parents) > max(depths(parents), default=-1) + 1
-
-
-class Recording:
-    """The real proposer, keeping each row's tree so a test can see what was verified."""
-
-    def __init__(self, proposer):
-        self.proposer = proposer
-        self.runner = proposer.runner
-        self.trees: list[list[int]] = []
-
-    def propose(self, items):
-        batch = self.proposer.propose(items)
-        self.trees.extend(batch.row_parents(b) for b in range(len(batch.seq_ids)))
-        return batch
-
-    def release(self, seq_ids):
-        self.proposer.release(seq_ids)
 
 
 # -- TreeGrowth ---------------------------------------------------------------------------------------------
@@ -117,7 +97,7 @@ def _tree_engine(target, draft, *, tree_nodes: int, gamma: int = 4, adaptive: bo
                               gamma_max=max(gamma, 8), adaptive=adaptive, tree_nodes=tree_nodes,
                               acceptance=acceptance or AcceptanceConfig())
     policy = make_policy(settings)
-    proposer = Recording(DraftModelProposer(draft, max_slots=max_slots, max_len=MAX_LEN, tree_nodes=tree_nodes,
+    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=max_slots, max_len=MAX_LEN, tree_nodes=tree_nodes,
                                             tree_budget=policy.tree_budget if adaptive else None, tree_top_k=4))
     engine = assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer))
     engine.policy = policy
@@ -130,7 +110,7 @@ def test_greedy_identity_in_one_batch(target, noisy_draft, prompts, refs, tree_n
     outs = engine.generate([Request(p, max_tokens=MAX_NEW) for p in prompts])
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.tokens == r, f"prompt {i}"
-    assert sum(_wide(t) for t in proposer.trees) > len(prompts)
+    assert sum(wide(t) for t in proposer.trees) > len(prompts)
     assert engine.stats.acceptance_length > 1.5  # the trees were accepted, not only verified
 
 
@@ -149,7 +129,7 @@ def test_greedy_identity_with_joins_and_cancels(target, noisy_draft, prompts, re
     for seq_id, i in ids.items():
         if seq_id not in cancelled:
             assert engine.output(seq_id).tokens == refs[i], f"prompt {i}"
-    assert any(_wide(t) for t in proposer.trees)
+    assert any(wide(t) for t in proposer.trees)
 
 
 def test_adaptive_shape_is_exact(target, noisy_draft, prompts, refs):
@@ -169,14 +149,14 @@ def test_greedy_identity_sliding_window(family):
     engine, proposer = _tree_engine(target, draft, tree_nodes=10, gamma=5)
     outs = engine.generate([Request(p, max_tokens=MAX_NEW) for p in prompts])
     assert [o.tokens for o in outs] == refs
-    assert any(_wide(t) for t in proposer.trees)
+    assert any(wide(t) for t in proposer.trees)
 
 
 def test_draft_cache_after_a_tree_step_is_the_committed_tokens(target, noisy_draft):
     proposer = DraftModelProposer(noisy_draft, max_slots=2, max_len=MAX_LEN, tree_nodes=8, tree_top_k=3)
     prompt = (5, 9, 13, 21, 8)
     batch = proposer.propose([ProposeItem(SyncItem(0, 0, prompt), 3)])
-    assert _wide(batch.row_parents(0)) and batch.q_ids is None
+    assert wide(batch.row_parents(0)) and batch.q_ids is None
     state = proposer.runner.seqs[0]
     assert state.cached == list(prompt) and state.valid == len(prompt)
     # The next step commits the tree's last root child, whose K/V sit in a column that is not its position's:
@@ -195,11 +175,11 @@ def test_draft_cache_after_a_tree_step_is_the_committed_tokens(target, noisy_dra
 def test_sampled_tree_output_distribution_is_the_targets():
     target, draft = tiny_llama(11, vocab_size=V32), tiny_llama(12, vocab_size=V32)
     params = SamplingParams(temperature=0.8, top_k=12)
-    proposer = Recording(DraftModelProposer(draft, max_slots=64, max_len=32, tree_nodes=6, tree_top_k=3))
+    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=64, max_len=32, tree_nodes=6, tree_top_k=3))
     engine = make_engine(target, proposer, gamma=2, max_slots=64, max_len=32)
     pairs = _sample_pairs(engine, params, seed0=5000)
     assert 0.05 < engine.stats.acceptance_rate < 0.9, "both the accept and the reject paths must run"
-    assert sum(_wide(t) for t in proposer.trees) > 1000
+    assert sum(wide(t) for t in proposer.trees) > 1000
     joint = _exact_joint(target, params)
     assert chi2_pvalue(pairs // V32, joint.sum(1)) > P_MIN
     assert chi2_pvalue(pairs % V32, joint.sum(0)) > P_MIN
@@ -214,7 +194,7 @@ def test_seeded_sampled_trees_reproduce(target, noisy_draft, prompts):
         engine, proposer = _tree_engine(target, noisy_draft, tree_nodes=8, gamma=3)
         outs.append([o.tokens for o in engine.generate([Request(p, max_tokens=MAX_NEW, sampling=sampling)
                                                          for p in prompts[:4]])])
-        assert any(_wide(t) for t in proposer.trees)
+        assert any(wide(t) for t in proposer.trees)
     assert outs[0] == outs[1]
 
 

@@ -19,7 +19,7 @@ from engine.engine import Request
 from runtime.protocol import ProposeItem, SamplingParams, SyncItem
 from runtime.models import tiny_llama
 from runtime.token_tree import depths
-from tests.unit.helpers import VOCAB, hf_greedy, make_engine, run_to_end
+from tests.unit.helpers import VOCAB, RecordingProposer, hf_greedy, make_engine, run_to_end, wide
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,27 +27,6 @@ TREE_NODES = 16
 GAMMA = 4
 MAX_NEW = 24
 MIX = 0.01  # the repetitive target's scale on attention and MLP outputs
-
-
-class Recording:
-    """The real proposer, keeping each row's tree so a test can see what was verified."""
-
-    def __init__(self, proposer):
-        self.proposer = proposer
-        self.trees: list[list[int]] = []
-
-    def propose(self, items):
-        batch = self.proposer.propose(items)
-        self.trees.extend(batch.row_parents(b) for b in range(len(batch.seq_ids)))
-        return batch
-
-    def release(self, seq_ids):
-        self.proposer.release(seq_ids)
-
-
-def _wide(parents: list[int]) -> bool:
-    """Some node has two or more children (the root counts as a node)."""
-    return len(parents) > max(depths(parents), default=-1) + 1
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +89,7 @@ def orbit_refs(repetitive, orbit_prompts):
 
 
 def _engine(target, tree_nodes: int):
-    proposer = Recording(NgramProposer(tree_nodes=tree_nodes))
+    proposer = RecordingProposer(NgramProposer(tree_nodes=tree_nodes))
     return make_engine(target, proposer, gamma=GAMMA), proposer
 
 
@@ -165,8 +144,8 @@ def test_greedy_identity_and_tokens_per_pass(case, request):
         for i, (o, r) in enumerate(zip(outs, refs)):
             assert o.tokens == r, f"tree_nodes={tree_nodes}, prompt {i}: {o.tokens} != {r}"
         per_pass[tree_nodes] = engine.stats.emitted / engine.stats.steps
-        wide = sum(_wide(t) for t in proposer.trees)
-        assert (wide > 0) == bool(tree_nodes), f"{wide} trees of width > 1 with tree_nodes={tree_nodes}"
+        n_wide = sum(wide(t) for t in proposer.trees)
+        assert (n_wide > 0) == bool(tree_nodes), f"{n_wide} trees of width > 1 with tree_nodes={tree_nodes}"
     print(f"{case}: tokens per target forward per sequence: chain {per_pass[0]:.3f}, tree {per_pass[TREE_NODES]:.3f}")
     if case == "repetitive":  # the random target accepts ~nothing either way (~1.03 both)
         assert per_pass[TREE_NODES] >= per_pass[0]
@@ -182,7 +161,7 @@ def test_joins_mid_generation(target, motif_prompts, motif_refs):
     run_to_end(engine)
     for seq_id, i in ids.items():
         assert engine.output(seq_id).tokens == motif_refs[i]
-    assert any(_wide(t) for t in proposer.trees)
+    assert any(wide(t) for t in proposer.trees)
 
 
 def test_greedy_rows_exact_next_to_sampled_rows(target, motif_prompts, motif_refs):
@@ -197,4 +176,4 @@ def test_greedy_rows_exact_next_to_sampled_rows(target, motif_prompts, motif_ref
     for seq_id in sampled_ids:
         out = engine.output(seq_id)
         assert len(out.tokens) == MAX_NEW and all(0 <= t < target.config.vocab_size for t in out.tokens)
-    assert any(_wide(t) for t in proposer.trees)
+    assert any(wide(t) for t in proposer.trees)
