@@ -159,8 +159,8 @@ def invalid(err: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"{where} {first['msg']}", param)
     if shape is not None and not kind.startswith(("int", "float", "bool", "string")):
         return InvalidRequest(f"{where} {shape}", param)
-    if kind in _TYPES:  # a string field's message never quoted the value
-        got = "" if kind == "string_type" else f", got {show(value)}"
+    if kind in _TYPES:  # a string field's message never quoted the value, a boolean's showed it as Python does
+        got = "" if kind == "string_type" else f", got {_clip(repr(value)) if kind.startswith('bool') else show(value)}"
         return InvalidRequest(f"{where} must be {_TYPES[kind]}{got}", param)
     msg = first["msg"]
     return InvalidRequest(f"{where}: {msg[:1].lower()}{msg[1:]} (got {show(value)})", param)
@@ -179,7 +179,10 @@ def field_path(loc) -> str | None:
 
 def show(value) -> str:
     """A value as an error message quotes it: JSON for a scalar, else its type; at most 40 characters."""
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return _clip(json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__)
+
+
+def _clip(text: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -387,7 +387,8 @@ class _OpenAIRequest(_Strict):
     presence_penalty: _off(_exactly(0)) = None
     frequency_penalty: _off(_exactly(0)) = None
     logit_bias: _off(Annotated[dict, Field(max_length=0)]) = None
-    logprobs: _off(Literal[False, 0]) = None
+    logprobs: Annotated[Literal[False, 0] | None,
+                        says("are not supported by this server; leave logprobs unset")] = None
     user: StrictStr | None = None
     ignore_eos: StrictBool | None = None
     return_token_ids: StrictBool | None = None
