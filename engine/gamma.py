@@ -286,10 +286,16 @@ class GammaPolicy:
             best, best_rate = n, rate
         return best
 
+    def _ladder_tree(self, drafted: int) -> bool:
+        """Whether a step that verified ``drafted`` draft tokens per row was one of ``tree_sizes``' trees (all
+        above γ_max). Not a ``draft_num`` step: its merged chains are the step's only shape, so their
+        acceptance is what α and the cost line must follow."""
+        return bool(self.tree_nodes) and drafted > self.gamma_max
+
     def _rate(self, bucket: BucketCosts, width: int) -> float | None:
         """Measured tokens per row per second of steps of this verify width (None: not measured enough)."""
         tokens = bucket.tokens_per_row(width, self.costs.min_samples, self.costs.max_age)
-        costs = bucket.trees if width > self.gamma_max + 1 else bucket.seconds
+        costs = bucket.trees if self._ladder_tree(width - 1) else bucket.seconds
         seconds = costs.level(width) if costs is not None else None
         return None if tokens is None or seconds is None else tokens / seconds
 
@@ -316,7 +322,7 @@ class GammaPolicy:
     def observe(self, state: GammaState, proposed: int, accepted: int, nodes: int = 0) -> None:
         """One row's verify step; ``nodes``: the drafts verified (a tree step's nodes, above γ_max)."""
         self._emitted.append(accepted + 1)
-        if proposed == 0 or nodes > self.gamma_max:  # a tree's accepted depth is not the chain's α
+        if proposed == 0 or self._ladder_tree(nodes):  # a tree's accepted depth is not the chain's α
             return
         state.accepted = state.accepted * self.decay + accepted
         state.rejections = state.rejections * self.decay + (1 if accepted < proposed else 0)
@@ -348,7 +354,7 @@ class GammaPolicy:
                 bucket.next_probe = self.probe_first
             bucket.plain_run = 0
         if seconds > 0:
-            self.costs.record(rows, drafted, seconds, tree=bool(self.tree_nodes) and drafted > self.gamma_max)
+            self.costs.record(rows, drafted, seconds, tree=self._ladder_tree(drafted))
         # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
         # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``.
         widths = bucket.seconds.levels()

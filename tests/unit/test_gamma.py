@@ -402,3 +402,16 @@ def test_tree_budget_is_per_batch_bucket():
         _tree_step(policy, 16, 4, tokens, {0: 1.0, 16: 3.0, 32: 5.0, 64: 9.0})
     assert policy.tree_budget(1, 4, sampled=False) == 16
     assert policy.tree_budget(16, 4, sampled=False) == 0
+
+
+def test_several_candidates_still_move_alpha():
+    """A draft_num step verifies more than γ_max nodes without a tree ladder (tree_nodes 0): its acceptance
+    is the only evidence the policy gets, so α must follow it; a ladder tree step's must not."""
+    merged = GammaPolicy(adaptive=True, gamma_max=8)
+    state = GammaState()
+    merged.observe(state, proposed=4, accepted=0, nodes=24)
+    assert state.rejections > 0
+    ladder = GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=64)
+    state = GammaState()
+    ladder.observe(state, proposed=4, accepted=0, nodes=24)
+    assert state.rejections == 0 and state.accepted == 0
