@@ -9,11 +9,14 @@
 2. Its thread count (``cluster.threads``) is checked against this node's cores and applied: torch's
    intra-op threads, one inter-op thread (nothing here runs inter-op parallel work), and
    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` for anything that reads them later.
-3. glibc's mmap threshold is fixed at 128 KiB. By default glibc raises it after every large free (up to
+3. glibc's mmap threshold is fixed at 1 MiB. By default glibc raises it after every large free (up to
    32 MiB), after which the large temporaries of a prefill step come from the heap and stay resident after
-   the step; measured here, a worst-case step then held ~1.5× the memory the plan counts. Fixed, large
-   blocks are returned to the system when freed and the process's memory follows the plan (within 6 % in
-   tests/unit/test_memory_plan.py).
+   the step; measured here, a worst-case step then held ~1.5× the memory the plan counts. Fixed, blocks of
+   1 MiB and more are returned to the system when freed and the process's memory follows the plan (within
+   11 % in tests/unit/test_memory_plan.py). Not lower: every mmap'd block is faulted in afresh, page by
+   page, and a decode step's activations are mostly 0.1–1 MiB. At 128 KiB the embedded pair's batch-16
+   decode took 4–7× the page faults and ran ~15 % slower than with glibc's default; at 1 MiB it runs as
+   fast (`specserve`'s embedded pair, one thread, 16 rows × 64 tokens, this 2-core VM, 2026-12-01).
 4. The process runs at ``MODEL_NICENESS``: model work saturates the cores by design, and on a node it shares
    with the HTTP ingress, health checks and Ray's own processes, those must still answer at once. Measured
    on this 2-core VM with the router decoding 160 admitted requests, 480 rejected ones of a 640-request
@@ -37,7 +40,7 @@ from cluster.node import cpu_cores, memory_available
 from cluster.threads import replica_threads
 
 
-MMAP_THRESHOLD = 128 << 10  # glibc's own initial value, kept fixed
+MMAP_THRESHOLD = 1 << 20
 MODEL_NICENESS = 5
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 _configured_threads: int | None = None  # set by configure_process
