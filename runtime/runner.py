@@ -46,6 +46,28 @@ class ForwardStats:
 STATIC_MAX_TOKENS = 16  # rows feeding more than this (a prompt, a resync) take the dynamic, eager path
 
 
+# A join's prompt in a batch of decoding rows: one forward pads every row to the prompt's length (16 rows
+# decoding 2 tokens beside a 100-token prompt compute 1,600 positions for 130). Split when that saves at
+# least half the padded positions and this many: below it, a second forward's fixed cost (a pass over the
+# weights, its launches) outweighs the padding.
+RAGGED_MIN_SAVED = 256
+
+
+def ragged_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Row indices in one group, or in two — the shorter rows, the longer ones — where one forward padded
+    to the longest row would compute far more positions than two (see ``RAGGED_MIN_SAVED``)."""
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    padded = len(lengths) * lengths[order[-1]]
+    best, cut = padded, 0
+    for i in range(1, len(order)):
+        cost = i * lengths[order[i - 1]] + (len(order) - i) * lengths[order[-1]]
+        if cost < best:
+            best, cut = cost, i
+    if padded - best < max(RAGGED_MIN_SAVED, padded / 2):
+        return [list(range(len(lengths)))]
+    return [sorted(order[:cut]), sorted(order[cut:])]
+
+
 def batch_bucket(n: int) -> int:
     """The static step's batch size for ``n`` rows: the next power of two."""
     return 1 << max(0, n - 1).bit_length()
@@ -227,19 +249,34 @@ class ModelRunner:
 
     def _run(self, t0: float, states: list[SequenceState], starts: list[int], feeds: list[list[int]],
              num_logits: Sequence[int], trees: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
-        """One forward over the prepared rows (``trees``: per row, committed tokens fed and the tree's parents)."""
+        """One step's forwards over the prepared rows (``trees``: per row, committed tokens fed and the tree's
+        parents): one forward, or one per group of ``ragged_groups`` (each writes only its own rows' K/V)."""
+        groups = ragged_groups([len(f) for f in feeds])
+        if len(groups) == 1:
+            logits = self._forward_rows(states, starts, feeds, num_logits, trees)
+        else:
+            logits = None
+            for rows in groups:
+                part = self._forward_rows([states[b] for b in rows], [starts[b] for b in rows],
+                                          [feeds[b] for b in rows], [num_logits[b] for b in rows],
+                                          None if trees is None else [trees[b] for b in rows])
+                if logits is None:  # copied out at once: a static forward's logits are a view of its buffer
+                    logits = part.new_zeros((len(feeds), max(num_logits), part.shape[-1]))
+                logits[torch.tensor(rows, device=part.device), : part.shape[1]] = part
+        self.tick += 1
+        self.stats.calls += len(groups)
+        self.stats.tokens_fed += sum(len(f) for f in feeds)
+        self.stats.seconds += time.perf_counter() - t0
+        return logits
+
+    def _forward_rows(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]],
+                      num_logits: Sequence[int], trees: list[tuple[int, list[int]]] | None) -> torch.Tensor:
         T = max(len(f) for f in feeds)
         N = max(num_logits)
         end = max(st + len(f) for st, f in zip(starts, feeds))
         if self.static and T <= STATIC_MAX_TOKENS:
-            logits = self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end, trees)
-        else:
-            logits = self._forward_dynamic(states, starts, feeds, num_logits, T, N, end, trees)
-        self.tick += 1
-        self.stats.calls += 1
-        self.stats.tokens_fed += sum(len(f) for f in feeds)
-        self.stats.seconds += time.perf_counter() - t0
-        return logits
+            return self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end, trees)
+        return self._forward_dynamic(states, starts, feeds, num_logits, T, N, end, trees)
 
     def record(self, *, calls: int, tokens_fed: int, seconds: float) -> None:
         """Count forwards run outside ``forward`` (the draft's device loop) in the stats."""

@@ -3,8 +3,9 @@
 Counted at the lowest level (``runtime.forward.forward``, the only place a model runs, wrapped per
 model object) and cross-checked with the runners' own ``stats.calls``. The batch of 16 ragged prompts
 joins in three waves, so some steps prefill new sequences while others are mid-chain; a joining
-sequence's prefill rides in the same target forward as everyone else's verification, and its draft
-prefill in the step's first draft forward.
+sequence's prefill is fed in the step's target forward and its first draft forward — or, where padding
+every row to the prompt's length would waste most of that forward (``runtime.runner.ragged_groups``), in
+one more forward of each beside it, on that step only.
 """
 
 from __future__ import annotations
@@ -54,24 +55,26 @@ def test_one_target_forward_and_at_most_gamma_draft_forwards(draft, gamma, targe
                                                              prompts, refs, forward_calls):
     draft_model = {"noisy": noisy_draft, "same-weights": target_copy}[draft]
     engine = make_engine(target, draft_model, gamma=gamma)
-    seen = {"steps": 0, "draft_calls": 0, "join_steps": 0}
+    seen = {"steps": 0, "target_calls": 0, "draft_calls": 0, "join_steps": 0}
 
     def on_step(step, events, calls):
         target_calls = [c for c in calls if c[0] is target]
         draft_calls = [c for c in calls if c[0] is draft_model]
         assert len(target_calls) + len(draft_calls) == len(calls)
-        assert len(target_calls) == 1, f"step {step}: {len(target_calls)} target forwards"
-        assert target_calls[0][1] == len(events), "every running sequence rides in the one target forward"
-        assert len(draft_calls) <= gamma, f"step {step}: {len(draft_calls)} draft forwards for γ = {gamma}"
+        split = 1 if step in JOINS else 0  # a join's prompt may run beside the decoding rows
+        assert 1 <= len(target_calls) <= 1 + split, f"step {step}: {len(target_calls)} target forwards"
+        assert sum(c[1] for c in target_calls) == len(events), "every running sequence rides in one target forward"
+        assert len(draft_calls) <= gamma + split, f"step {step}: {len(draft_calls)} draft forwards for γ = {gamma}"
         seen["steps"] += 1
+        seen["target_calls"] += len(target_calls)
         seen["draft_calls"] += len(draft_calls)
         if step in JOINS:
             seen["join_steps"] += 1
-            assert target_calls[0][2] > gamma + 1  # the joiners' prompts were prefilled in that same call
+            assert max(c[2] for c in target_calls) > gamma + 1  # the joiners' prompts were prefilled this step
 
     ids = _run_with_joins(engine, prompts, forward_calls, on_step)
     assert seen["join_steps"] == 3
-    assert target_runner(engine).stats.calls == seen["steps"]
+    assert target_runner(engine).stats.calls == seen["target_calls"] <= seen["steps"] + seen["join_steps"]
     assert draft_runner(engine).stats.calls == seen["draft_calls"]
     assert seen["draft_calls"] >= seen["steps"] * min(gamma, 2) // 2  # drafting really happened
     assert [engine.output(ids[i]).tokens for i in range(len(prompts))] == refs
@@ -81,7 +84,7 @@ def test_ngram_proposer_runs_no_model(target, prompts, refs, forward_calls):
     engine = make_engine(target, "ngram", gamma=4)
 
     def on_step(step, events, calls):
-        assert [c[0] for c in calls] == [target]
+        assert [c[0] for c in calls] in ([target], [target, target] if step in JOINS else None)
 
     ids = _run_with_joins(engine, prompts, forward_calls, on_step)
     assert [engine.output(ids[i]).tokens for i in range(len(prompts))] == refs

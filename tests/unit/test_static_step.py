@@ -18,7 +18,8 @@ from engine.gamma import GammaPolicy
 from runtime.fusion import fuse_projections
 from runtime.models import noisy_copy, tiny_llama
 from runtime.protocol import ProposeItem, SamplingParams, SyncItem
-from runtime.runner import ModelRunner, batch_bucket
+from runtime import runner as runner_module
+from runtime.runner import ModelRunner, batch_bucket, ragged_groups
 from tests.unit.helpers import MAX_LEN, MAX_NEW, hf_greedy, make_prompts
 from tests.unit.host_reads import HostReads
 from verifier.verify import VerifyStage
@@ -198,6 +199,42 @@ def test_static_rows_in_any_slot_order_equal_dynamic(pair, live):
             runner.sync(SyncItem(s, len(runner.seqs[s].tokens), (50 + s,)))
         out[name] = runner.forward(live, [[7, 8 + s] for s in live], [3] * len(live))
     torch.testing.assert_close(out["static"], out["dynamic"], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_groups_split_a_prompt_off_decoding_rows_only_where_it_pays():
+    assert ragged_groups([2] * 15 + [100]) == [list(range(15)), [15]]  # 1,600 padded positions vs 130
+    assert ragged_groups([3, 300, 2, 2, 5]) == [[0, 2, 3, 4], [1]]  # in the caller's order
+    assert ragged_groups([2, 2, 100, 100]) == [[0, 1, 2, 3]]  # saves 196 positions: below the floor
+    assert ragged_groups([5, 60]) == [[0, 1]]
+    assert ragged_groups([4] * 8) == [list(range(8))]
+    assert ragged_groups([7]) == [[0]]
+
+
+@pytest.mark.parametrize("options", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+def test_a_join_beside_decoding_rows_runs_apart_with_the_same_logits(pair, options, monkeypatch):
+    """Nine rows decoding (chains of 3) and a 60-token prompt joining: two forwards instead of one padded
+    to 60 positions per row, with the logits (and so the K/V each row leaves behind) of the single forward."""
+    target, _ = pair
+    out, calls = {}, {}
+    for name, floor in (("split", runner_module.RAGGED_MIN_SAVED), ("padded", 10**9)):
+        monkeypatch.setattr(runner_module, "RAGGED_MIN_SAVED", floor)
+        runner = ModelRunner(target, max_slots=12, max_len=96, **{**options, "fuse": False})
+        for s in range(9):
+            runner.sync(SyncItem(s, 0, tuple(range(3 + s, 13 + s))))
+        runner.forward(list(range(9)), [[]] * 9, [1] * 9)
+        runner.sync(SyncItem(9, 0, tuple(range(1, 61))))
+        before = runner.stats.calls
+        first = runner.forward(list(range(10)), [[7, 8, 9]] * 9 + [[]], [4] * 9 + [1])
+        calls[name] = runner.stats.calls - before
+        rows = [first[b, : 4 if b < 9 else 1].clone() for b in range(10)]
+        for s in range(10):  # the next step reads every row's cached K/V
+            runner.sync(SyncItem(s, len(runner.seqs[s].tokens), (40 + s,)))
+        second = runner.forward(list(range(10)), [[]] * 10, [1] * 10)
+        out[name] = (rows, second.clone())
+    assert calls == {"split": 2, "padded": 1}
+    for a, b in zip(out["split"][0], out["padded"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["split"][1], out["padded"][1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
