@@ -8,7 +8,8 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 - served speculative: the Serve app started as ``specserve serve`` starts it (``deployments.loopback``,
   loopback), requests through its OpenAI HTTP API, once per layout (``--placements``: ``offload`` = a
   draft-pool replica, the default config; ``compiled`` = the same, with ``router.transport: compiled``
-  (every step's frames through compiled-graph channels to the stage replicas' workers); ``colocated`` =
+  (every step's frames through compiled-graph channels to the stage replicas' workers); ``actor`` = the
+  same over direct actor calls to those workers; ``colocated`` =
   the draft inside the verifier replica; ``local`` = ``router.stages: local``, both models inside the
   router replica, no Serve call per step);
 - served plain: the same app with ``draft.kind: none``, with remote stages (handles and, with
@@ -98,16 +99,21 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     return urls
 
 
+TRANSPORTS = ("compiled", "actor")  # router.transport values that are also --placements
+
+
 def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
     """Served row name → (draft placement or None for plain, router.stages, router.transport). The
-    placement 'compiled' is 'offload' with the stage replicas' workers reached over compiled channels."""
+    placements 'compiled' and 'actor' are 'offload' with the stage replicas' workers reached over compiled
+    channels or direct actor calls."""
     rows = {}
     for p in args.placements:
-        layout = {"local": ("local", "local", "handles"), "compiled": ("offload", "remote", "compiled")}
+        layout = {"local": ("local", "local", "handles"), **{t: ("offload", "remote", t) for t in TRANSPORTS}}
         rows[f"served speculative ({p})"] = layout.get(p, (p, "remote", "handles"))
     rows["served plain (remote)"] = (None, "remote", "handles")
-    if "compiled" in args.placements:
-        rows["served plain (compiled)"] = (None, "remote", "compiled")
+    for t in TRANSPORTS:
+        if t in args.placements:
+            rows[f"served plain ({t})"] = (None, "remote", t)
     if "local" in args.placements:
         rows["served plain (local stages)"] = (None, "local", "handles")
     return rows
@@ -183,8 +189,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16, help="batch of the throughput rows (0: none)")
     parser.add_argument("--placements", default="offload,compiled,colocated,local",
-                        help="draft placements of the served speculative rows, comma-separated ('compiled': "
-                             "offload over the compiled-graph transport)")
+                        help="draft placements of the served speculative rows, comma-separated ('compiled' / "
+                             "'actor': offload over the compiled-graph / actor-call transport)")
     parser.add_argument("--threads", default=None,
                         help="torch thread counts of the in-process rows, comma-separated (default: 1 and all cores)")
     parser.add_argument("--served-threads", type=int, default=None,
