@@ -261,7 +261,9 @@ class DraftPoolSpec(_Spec):
         description="Fixed number of draft replicas; 1 when neither this nor autoscaling is set, None "
         "when autoscaling is set (the two are exclusive, as in Ray Serve).",
     )
-    autoscaling: AutoscalingSpec | None = Field(None, description="Autoscale the draft pool between these bounds.")
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Autoscale the draft pool between these bounds, on the Serve requests its replicas "
+        "receive (router.transport 'handles' only).")
     placement: Literal["offload", "colocated"] = Field(
         "offload",
         description="'offload': draft replicas are placed by num_gpus/accelerator_type/resources (cheaper "
@@ -602,6 +604,12 @@ class ClusterConfig(_Spec):
         if self.router.stages == "local" and self.router.transport != "handles":
             raise ValueError(f"router.transport: {self.router.transport!r} reaches remote stages; with "
                              "router.stages 'local' there are none (leave transport 'handles')")
+        if self.draft_pool.autoscaling is not None and "draft" in self.worker_stages:
+            # Serve scales on the requests its replicas receive; these receive none (docs/transport.md).
+            raise ValueError(f"draft_pool.autoscaling: with router.transport {self.router.transport!r} the router "
+                             "sends every draft call to the replicas' workers, not through Serve, so Serve's "
+                             "autoscaler would see an idle pool and keep it at min_replicas; set "
+                             "draft_pool.num_replicas, or use transport 'handles'")
         return self
 
     @property

@@ -163,6 +163,8 @@ def test_yaml_that_is_not_a_mapping_refused(tmp_path: Path) -> None:
          "draft_pool.autoscaling.min_replicas"),
         ({"draft_pool": {"num_replicas": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 2}}},
          "draft_pool.num_replicas"),
+        ({"draft": {"kind": "model", "path": BUILTIN_TINY}, "router": {"transport": "compiled"},
+          "draft_pool": {"autoscaling": {"min_replicas": 1, "max_replicas": 2}}}, "draft_pool.autoscaling"),
         ({"draft_pool": {"batch_size": 128}}, "draft_pool.batch_size"),
         ({"draft_pool": {"num_gpus": 1.5}}, "draft_pool.num_gpus"),
         ({"draft_pool": {"resources": {"L4": -1}}}, "draft_pool.resources.L4"),
