@@ -22,6 +22,7 @@ the tokenizer) they derive on their own node, since a model folder may exist onl
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -97,6 +98,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
     cfg = load_config(args)
     if cfg.ray.address is None:
         check_local_node(cfg)
+    generation = secrets.token_hex(4)  # this build's stage workers (deployments.worker_directory.app_key)
     v, r = cfg.verifier, cfg.router
     router_opts = dict(
         num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
@@ -105,7 +107,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
     if r.stages == "local":  # the router hosts both models (see deployments.router)
         opts = {**_placement(v.num_cpus + r.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
                 **_model_env(v.num_threads, SAME_LOOP_ENV)}
-        return _ingress(cfg, Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None))
+        return _ingress(cfg, Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None, generation))
     if cfg.target.tensor_parallel > 1:
         # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
         verifier_opts = {**_placement(v.num_cpus, 0, None, {}), **_model_env(v.num_threads)}
@@ -114,7 +116,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
                                       v.accelerator_type, v.resources), **_model_env(v.num_threads)}
     verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
-                                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg)
+                                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg, generation)
 
     draft = None
     pool = cfg.draft_pool
@@ -131,10 +133,10 @@ def build_app(args: ClusterConfig | dict[str, Any]):
                 **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
                 ray_actor_options={**_placement(pool.num_cpus, 0 if "draft" in cfg.worker_stages else pool.num_gpus,
                                                 pool.accelerator_type, pool.resources),
-                                   **_model_env(pool.num_threads)}).bind(cfg)
+                                   **_model_env(pool.num_threads)}).bind(cfg, generation)
 
     router = Router.options(ray_actor_options={"num_cpus": r.num_cpus, "runtime_env": {"env_vars": SAME_LOOP_ENV}},
-                            **router_opts).bind(cfg, draft, verifier)
+                            **router_opts).bind(cfg, draft, verifier, generation)
     return _ingress(cfg, router)
 
 

@@ -31,12 +31,13 @@ def build_proposer(cfg: ClusterConfig):
 
 @serve.deployment(name="DraftPool")
 class DraftPool(StageHost):
-    def __init__(self, cfg: ClusterConfig):
+    def __init__(self, cfg: ClusterConfig, generation: str):
         start_replica(cfg, ROLE)
         self._init_host(wire_limits(cfg))
         self.proposer = self._slots = None
         if "draft" in cfg.worker_stages:
-            self._start_worker(cfg, "draft", ROLE, build_proposer, threads=cfg.draft_pool.num_threads,
+            self._start_worker(cfg, "draft", ROLE, build_proposer, generation=generation,
+                               threads=cfg.draft_pool.num_threads,
                                num_gpus=cfg.draft_pool.num_gpus, slot_gauge="draft")
             return
         self.proposer = build_proposer(cfg)

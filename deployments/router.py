@@ -37,7 +37,7 @@ from deployments.replica_process import start_replica
 from deployments.channel_stages import ChannelStages
 from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
-from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory
+from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory, app_key
 from engine.assembly import make_engine
 from engine.engine import Output, Request
 from engine.fidelity import FidelityMonitor, plain_redecoder
@@ -48,9 +48,10 @@ from runtime.protocol import SamplingParams
 
 @serve.deployment(name="Router")
 class Router:
-    def __init__(self, cfg: ClusterConfig, draft_handle, verifier_handle):
-        """``cfg`` was validated by ``deployments.app.build_app``; the handles are None with local stages."""
-        self.cfg = cfg
+    def __init__(self, cfg: ClusterConfig, draft_handle, verifier_handle, generation: str):
+        """``cfg`` was validated by ``deployments.app.build_app``; the handles are None with local stages;
+        ``generation`` names the build whose stage workers this router uses (``worker_directory.app_key``)."""
+        self.cfg, self.generation = cfg, generation
         settings = engine_settings(cfg)
         self.limits = wire_limits(cfg)
         self.tokenizer = load_tokenizer(cfg.target.path) if has_tokenizer(cfg.target.path) else None
@@ -98,7 +99,8 @@ class Router:
                                draft_timeout_s=self.cfg.draft_pool.timeout_s,
                                verify_timeout_s=self.cfg.router.verify_timeout_s, fallback=handles,
                                on_fallback=self.metrics.fallback, timings=handles.timings)
-        self.directory = WorkerDirectory(stages, serve.get_replica_context().app_name, DIRECTORY_INTERVAL_S).start()
+        self.directory = WorkerDirectory(stages, app_key(serve.get_replica_context().app_name, self.generation),
+                                         DIRECTORY_INTERVAL_S).start()
         return stages
 
     # -- admission ----------------------------------------------------------------------------------

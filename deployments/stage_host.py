@@ -34,7 +34,7 @@ from cluster.config import ClusterConfig
 from runtime import wire
 from deployments.replica_process import model_process_env, start_replica, thread_info, use_threads
 from deployments.stage_workers import BusyLog, start_worker
-from deployments.worker_directory import worker_name
+from deployments.worker_directory import app_key, worker_name
 
 log = logging.getLogger("specserve.stage_host")
 
@@ -55,12 +55,13 @@ class StageHost:
         self.worker = None
 
     def _start_worker(self, cfg: ClusterConfig, stage: str, role: str, build: Callable[[ClusterConfig], object],
-                      *, threads: int | str, num_gpus: float, slot_gauge: str) -> None:
-        """Worker mode: ``build(cfg)`` runs in a ``StageWorker`` beside this replica (see the module doc)."""
+                      *, generation: str, threads: int | str, num_gpus: float, slot_gauge: str) -> None:
+        """Worker mode: ``build(cfg)`` runs in a ``StageWorker`` beside this replica (see the module doc),
+        named for this app's ``generation`` (``worker_directory.app_key``)."""
         ctx, here = serve.get_replica_context(), ray.get_runtime_context()
         self.worker = start_worker(
             functools.partial(_worker_stage, cfg, role, build), self.limits,
-            name=worker_name(ctx.app_name, stage, ctx.replica_id.unique_id), namespace=here.namespace,
+            name=worker_name(app_key(ctx.app_name, generation), stage, ctx.replica_id.unique_id), namespace=here.namespace,
             node_id=here.get_node_id(), num_gpus=num_gpus, runtime_env={"env_vars": model_process_env(threads)},
             slot_gauge=slot_gauge)
         ray.get(self.worker.ping.remote())  # its model is loaded before this replica counts as started

@@ -31,13 +31,14 @@ def build_verify_stage(cfg: ClusterConfig):
 
 @serve.deployment(name="Verifier")
 class Verifier(StageHost):
-    def __init__(self, cfg: ClusterConfig):
+    def __init__(self, cfg: ClusterConfig, generation: str):
         role = "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)"
         start_replica(cfg, role)
         self._init_host(wire_limits(cfg))
         self.stage = self.proposer = None
         if "verifier" in cfg.worker_stages:
-            self._start_worker(cfg, "verifier", role, build_verify_stage, threads=cfg.verifier.num_threads,
+            self._start_worker(cfg, "verifier", role, build_verify_stage, generation=generation,
+                               threads=cfg.verifier.num_threads,
                                num_gpus=cfg.verifier.num_gpus, slot_gauge="target")
             return
         settings = engine_settings(cfg)

@@ -1,9 +1,9 @@
 """How the router finds the stage workers of its app: named actors, looked up in Ray's GCS.
 
 A stage replica in worker mode (``router.transport`` 'actor' or 'compiled', ``deployments.stage_host``)
-starts its ``StageWorker`` under the name ``worker_name(app, stage, replica)``. The router's
-``WorkerDirectory`` lists the live named actors every ``interval_s`` and keeps ``ChannelStages``'
-membership equal to the workers of its own app that answer a ping (a worker still loading its model does
+starts its ``StageWorker`` under the name ``worker_name(app_key(app, generation), stage, replica)``. The
+router's ``WorkerDirectory`` lists the live named actors every ``interval_s`` and keeps ``ChannelStages``'
+membership equal to the workers of its own app and generation (``app_key``) that answer a ping (a worker still loading its model does
 not yet). Pulling from the GCS instead of having replicas push registrations means a restarted router
 finds every worker at once, and a replica that dies takes its worker, and so its name, with it: the next
 refresh drops it and ``ChannelStages`` tears its graph down.
@@ -22,6 +22,14 @@ WORKER_PREFIX = "specserve-worker"
 STAGES = ("draft", "verifier")
 DIRECTORY_INTERVAL_S = 1.0  # how often the router lists the workers; a stage without one is served by handles
 READY_TIMEOUT_S = 0.5  # a worker that does not answer a ping this fast is still starting: next refresh
+
+
+def app_key(app_name: str, generation: str) -> str:
+    """What a worker's name and a directory's listing share: the Serve app and the build of it. Each
+    ``build_app`` draws a new generation, so while a redeploy rolls the app, the draining router keeps to the
+    workers of its own build and the new one to its own: two routers' graphs on one worker would block each
+    other (an actor takes part in one compiled graph at a time)."""
+    return f"{app_name}@{generation}"
 
 
 def worker_name(app: str, stage: str, replica: str) -> str:

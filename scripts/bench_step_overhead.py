@@ -222,6 +222,9 @@ def null_stage(cfg) -> NullProposer:
     return NullProposer()
 
 
+NULL_GENERATION = "null"  # the null app is built once per run: one generation of workers
+
+
 def null_app(cfg):
     """A Serve app of two stage deployments built as DraftPool and Verifier are (``StageHost``: frames decoded
     with the wire limits, handle calls routed by shard key), around a ``NullProposer``. Under a worker transport
@@ -244,7 +247,7 @@ def null_app(cfg):
             self.stage = None
             if stage in cfg.worker_stages:
                 role = "draft pool" if stage == "draft" else "verifier"
-                self._start_worker(cfg, stage, role, null_stage, threads=1, num_gpus=0,
+                self._start_worker(cfg, stage, role, null_stage, generation=NULL_GENERATION, threads=1, num_gpus=0,
                                    slot_gauge="draft" if stage == "draft" else "target")
             else:
                 self.stage = NullProposer()
@@ -304,7 +307,7 @@ def run_null_model(args) -> list[dict]:
     from deployments.launch import deploy
     from deployments.settings import wire_limits
     from deployments.stages import RemoteStages
-    from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory
+    from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory, app_key
 
     app_args = {"target": {"path": args.target, "max_model_len": 512}, "draft": {"kind": "model", "path": args.draft},
                 "speculation": {"gamma": args.gamma, "adaptive": False}, "router": {"max_running": 64}}
@@ -326,7 +329,8 @@ def run_null_model(args) -> list[dict]:
     directories = []
     for kind in ("actor", "compiled"):
         stages = ChannelStages(limits, transport=kind, draft_timeout_s=30, verify_timeout_s=30, fallback=fallback)
-        directories.append(WorkerDirectory(stages, "null-workers", DIRECTORY_INTERVAL_S).start())
+        directories.append(WorkerDirectory(stages, app_key("null-workers", NULL_GENERATION),
+                                           DIRECTORY_INTERVAL_S).start())
         deadline = time.monotonic() + 60
         while not (stages.drafts.all() and stages.verifiers.all()):
             if time.monotonic() > deadline:
