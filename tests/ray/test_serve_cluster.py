@@ -166,14 +166,16 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
 
         info = await router.info.remote()
         pool = serve.get_deployment_handle("DraftPool", app_name=APP)
+        # The replica that drafts micro-batch 0 (shard keys route to the replica holding them), found before
+        # the batch starts so that nothing but the kill comes between its first step and the kill.
+        victim = (await pool.options(multiplexed_model_id=f"{info['shard_prefix']}-0").stats.remote())["actor_name"]
+        victim = ray.get_actor(victim, namespace="serve")
         task = asyncio.ensure_future(_run_mixed(router, prompts))
         # The batch is under way. Kill early: with the draft equal to the target every step emits γ + 1
         # tokens, so a micro-batch is done drafting after ~5 steps.
         while (await router.info.remote())["stats"]["steps"] < info["stats"]["steps"] + 1:
-            await asyncio.sleep(0.01)
-        # The replica that drafts micro-batch 0 (shard keys route to the replica holding them).
-        victim = (await pool.options(multiplexed_model_id=f"{info['shard_prefix']}-0").stats.remote())["actor_name"]
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            await asyncio.sleep(0.005)
+        ray.kill(victim, no_restart=True)
         return await task
 
     outputs = asyncio.run(scenario())
