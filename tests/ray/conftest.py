@@ -45,6 +45,27 @@ def ray_cluster():
 from deployments.launch import deploy, wait_running  # noqa: E402,F401  (re-exported for the tests)
 
 
+def random_prompts(seed: int, n: int) -> list[list[int]]:
+    """``n`` prompts of 1-39 token ids of the builtin tiny vocabulary (reproducible from ``seed``)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (n,), generator=gen)
+    return [torch.randint(3, 256, (int(k),), generator=gen).tolist() for k in lengths]
+
+
+def tiny_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The reference: the builtin tiny target alone, greedy, one prompt at a time, with HF ``generate``."""
+    import torch
+
+    from runtime.models import build_model, resolve_spec
+
+    target = build_model(resolve_spec("builtin:tiny", "target"), device="cpu")
+    with torch.inference_mode():
+        return [target.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 def delete_app(name: str) -> None:
     """Delete an app between test modules; a slow teardown on a loaded box must not fail the tests."""
     from ray import serve

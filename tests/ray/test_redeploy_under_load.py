@@ -17,9 +17,8 @@ import asyncio
 import time
 
 import pytest
-import torch
 
-from tests.ray.conftest import delete_app, deploy
+from tests.ray.conftest import delete_app, deploy, random_prompts, tiny_greedy
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -43,19 +42,12 @@ def _args(draft_replicas: int) -> dict:
 
 @pytest.fixture(scope="module")
 def prompts():
-    gen = torch.Generator().manual_seed(23)
-    lengths = torch.randint(1, 40, (64,), generator=gen)
-    return [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in lengths]
+    return random_prompts(23, 64)
 
 
 @pytest.fixture(scope="module")
 def references(prompts):
-    from runtime.models import build_model, resolve_spec
-
-    target = build_model(resolve_spec("builtin:tiny", "target"), device="cpu")
-    with torch.inference_mode():
-        return [target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return tiny_greedy(prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ import signal
 import time
 
 import pytest
-import torch
 
-from tests.ray.conftest import delete_app, deploy
+from tests.ray.conftest import delete_app, deploy, random_prompts, tiny_greedy
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -32,23 +31,12 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def prompts():
-    gen = torch.Generator().manual_seed(11)
-    lengths = torch.randint(1, 40, (64,), generator=gen)
-    return [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in lengths]
+    return random_prompts(11, 64)
 
 
 @pytest.fixture(scope="module")
 def references(prompts):
-    from runtime.models import build_model, resolve_spec
-
-    target = build_model(resolve_spec("builtin:tiny", "target"), device="cpu")
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = target.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
-    return refs
+    return tiny_greedy(prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=[(1, "handles"), (2, "handles"), (1, "compiled")],
