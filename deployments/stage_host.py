@@ -61,7 +61,8 @@ class StageHost:
         ctx, here = serve.get_replica_context(), ray.get_runtime_context()
         self.worker = start_worker(
             functools.partial(_worker_stage, cfg, role, build), self.limits,
-            name=worker_name(app_key(ctx.app_name, generation), stage, ctx.replica_id.unique_id), namespace=here.namespace,
+            name=worker_name(app_key(ctx.app_name, generation), stage, ctx.replica_id.unique_id),
+            namespace=here.namespace,
             node_id=here.get_node_id(), num_gpus=num_gpus, runtime_env={"env_vars": model_process_env(threads)},
             slot_gauge=slot_gauge)
         ray.get(self.worker.ping.remote())  # its model is loaded before this replica counts as started

@@ -3,10 +3,10 @@
 A stage replica in worker mode (``router.transport`` 'actor' or 'compiled', ``deployments.stage_host``)
 starts its ``StageWorker`` under the name ``worker_name(app_key(app, generation), stage, replica)``. The
 router's ``WorkerDirectory`` lists the live named actors every ``interval_s`` and keeps ``ChannelStages``'
-membership equal to the workers of its own app and generation (``app_key``) that answer a ping (a worker still loading its model does
-not yet). Pulling from the GCS instead of having replicas push registrations means a restarted router
-finds every worker at once, and a replica that dies takes its worker, and so its name, with it: the next
-refresh drops it and ``ChannelStages`` tears its graph down.
+membership equal to the workers of its own app and generation (``app_key``) that answer a ping (a worker
+still loading its model does not yet). Pulling from the GCS instead of having replicas push registrations
+means a restarted router finds every worker at once, and a replica that dies takes its worker, and so its
+name, with it: the next refresh drops it and ``ChannelStages`` tears its graph down.
 """
 
 from __future__ import annotations

@@ -99,13 +99,12 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     return urls
 
 
-TRANSPORTS = ("compiled", "actor")  # router.transport values that are also --placements
-
-
 def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
     """Served row name → (draft placement or None for plain, router.stages, router.transport). The
     placements 'compiled' and 'actor' are 'offload' with the stage replicas' workers reached over compiled
     channels or direct actor calls."""
+    from deployments.channel_stages import TRANSPORTS  # imports ray: only once init_local_ray has run
+
     rows = {}
     for p in args.placements:
         layout = {"local": ("local", "local", "handles"), **{t: ("offload", "remote", t) for t in TRANSPORTS}}
