@@ -39,7 +39,7 @@ from deployments.settings import engine_settings, wire_limits
 from deployments.stages import RemoteStages
 from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory, app_key
 from engine.assembly import make_engine
-from engine.engine import Output, Request
+from engine.engine import Output, Request, random_first_seq_id
 from engine.fidelity import FidelityMonitor, plain_redecoder
 from engine.service import EngineService, Live, StepProfile, TextStream
 from runtime.models import has_tokenizer, load_tokenizer
@@ -66,7 +66,10 @@ class Router:
                 self.stages = self._channel_stages(self.handles)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else []
-        self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize)
+        # Two routers reach the same stage replicas while a redeploy rolls the app: distinct sequence ids.
+        self.first_seq_id = random_first_seq_id()
+        self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize,
+                                  first_seq_id=self.first_seq_id)
         self.service = EngineService(self.engine, capacity=cfg.router.max_running + cfg.router.max_queue,
                                      request_timeout_s=cfg.router.request_timeout_s, metrics=self.metrics)
         self.fidelity = self._fidelity_monitor(settings, verifier_handle, eos) \
@@ -81,7 +84,8 @@ class Router:
                   else {"stages": self._remote_stages(None, verifier_handle, "fid")})
         engine = make_engine(plain, eos_token_ids=eos, detokenize=self._detokenize, **target)
         monitor = FidelityMonitor(self.cfg.router.fidelity_sample_rate,
-                                  plain_redecoder(engine, first_seq_id=1 << 62), on_result=self.metrics.fidelity)
+                                  plain_redecoder(engine, first_seq_id=(1 << 62) + self.first_seq_id),
+                                  on_result=self.metrics.fidelity)
         monitor.start()
         return monitor
 

@@ -94,10 +94,12 @@ def spec_path(spec) -> str | None:
 
 
 def make_engine(settings: EngineSettings, *, stages: Stages | None = None, target_model=None, draft_model=None,
-                eos_token_ids=(), detokenize=None, goodput: GoodputController | None = None) -> Engine:
+                eos_token_ids=(), detokenize=None, goodput: GoodputController | None = None,
+                first_seq_id: int = 0) -> Engine:
     """An engine on ``stages`` (a router's ``RemoteStages``, or stages around models already built), or on
     in-process stages built from ``settings`` (models loaded unless given). Speculates when ``settings``
-    names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for."""
+    names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for; ``first_seq_id``:
+    where its sequence ids start (``engine.engine.random_first_seq_id`` where other engines share the stages)."""
     policy = make_policy(settings)
     if stages is None:
         target_path, draft_path = spec_path(settings.target), spec_path(settings.draft)
@@ -107,4 +109,4 @@ def make_engine(settings: EngineSettings, *, stages: Stages | None = None, targe
     return Engine(stages, policy=policy, eos_token_ids=eos_token_ids, max_len=settings.max_len,
                   max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
                   speculate=settings.draft is not None, goodput=goodput or make_goodput(settings),
-                  draft_num=settings.draft_num)
+                  draft_num=settings.draft_num, first_seq_id=first_seq_id)

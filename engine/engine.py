@@ -98,6 +98,19 @@ class Done:
         return self.value
 
 
+SEQ_ID_BLOCK = 1 << 32  # sequence ids one engine numbers its requests from (see ``random_first_seq_id``)
+
+
+def random_first_seq_id() -> int:
+    """Where an engine whose stages other engines may also reach starts numbering its sequences. A stage
+    keys its caches by sequence id alone, so while a redeploy rolls the app the old and the new router (and
+    their fidelity monitors) reach the same verifier: had both counted from 0, one router's sync of a
+    sequence would have passed against the other's cache of the same id, and verified against the wrong
+    prefix. Blocks of 2^32 ids, 2^30 of them, all below 2^62: two routers share a block with probability
+    2^-30."""
+    return secrets.randbelow(1 << 30) * SEQ_ID_BLOCK
+
+
 class Stages(Protocol):
     def submit_propose(self, items: Seq[ProposeItem], shard: int) -> Pending:
         """Start drafting; ``shard`` (the micro-batch) lets a remote pool keep a group on one replica, and the
@@ -133,7 +146,8 @@ class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3, goodput: GoodputController | None = None, draft_num: int = 1):
+                 max_failures: int = 3, goodput: GoodputController | None = None, draft_num: int = 1,
+                 first_seq_id: int = 0):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -152,7 +166,7 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.stats = SpecStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # add/cancel from other threads
-        self._next_id = 0
+        self._next_id = first_seq_id  # see random_first_seq_id
         self._turn = 0
         self._pending: dict[int, tuple[Pending, list[int], StepPlan | None]] = {}  # micro-batch → in-flight proposal
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results

@@ -17,7 +17,7 @@ import torch
 from runtime import wire
 from tests.unit.helpers import (MAX_LEN, MAX_NEW, VOCAB, draft_runner, make_engine, make_prompts, run_to_end,
                                 target_runner)
-from engine.engine import Done, Engine, LocalStages, Request
+from engine.engine import SEQ_ID_BLOCK, Done, Engine, LocalStages, Request, random_first_seq_id
 from runtime.kv_cache import KVPoolFull
 from runtime.protocol import SyncItem
 from runtime.runner import ModelRunner, SequenceTooLong
@@ -104,6 +104,30 @@ def test_micro_batch_that_empties_and_refills(target, noisy_draft, prompts, refs
     assert engine.output(short).tokens == refs[1][:2]
     for i, sid in enumerate(late):
         assert engine.output(sid).tokens == refs[2 + i]
+
+
+@pytest.mark.parametrize("distinct", [True, False], ids=["own ids", "both from 0"])
+def test_two_engines_on_the_same_stages(distinct, target, noisy_draft, prompts, refs):
+    """While a redeploy rolls the app, the old and the new router reach the same stage replicas, which key
+    their caches by sequence id alone. Engines numbering from their own ``random_first_seq_id`` both decode
+    exactly, interleaved step by step; both counting from 0 (the negative control, as routers did) verify
+    one router's sequences against the other's caches."""
+    firsts = (random_first_seq_id(), random_first_seq_id()) if distinct else (0, 0)
+    old = make_engine(target, noisy_draft, gamma=4, first_seq_id=firsts[0])
+    new = Engine(old.stages, max_len=MAX_LEN, max_running=len(prompts), first_seq_id=firsts[1])
+    if distinct:
+        assert firsts[0] != firsts[1] and all(f % SEQ_ID_BLOCK == 0 and f < 1 << 62 for f in firsts)
+    old_ids = [old.add(Request(p, max_tokens=MAX_NEW)) for p in prompts[:8]]
+    old.step()
+    old.step()
+    new_ids = [new.add(Request(p, max_tokens=MAX_NEW)) for p in prompts[8:]]
+    while old.has_work or new.has_work:
+        for engine in (old, new):
+            if engine.has_work:
+                engine.step()
+    outputs = [old.output(i).tokens for i in old_ids] + [new.output(i).tokens for i in new_ids]
+    wrong = [i for i, (o, r) in enumerate(zip(outputs, refs)) if o != r]
+    assert (not wrong) if distinct else wrong, wrong
 
 
 @pytest.mark.parametrize("draft", ["noisy", "ngram"])
