@@ -67,20 +67,32 @@ def router(ray_cluster, tp, transport):
 
     global APP
     APP = f"spec-{transport}-tp{tp}"
-    args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp},
-            "router": {**ARGS["router"], "transport": transport}}
-    if transport == "compiled":  # two candidate chains per step, one per draft worker, verified as one tree
-        args["speculation"] = {**ARGS["speculation"], "draft_num": 2}
-    deploy(build_app(args), APP)
+    deploy(build_app(_args(tp, transport)), APP)
     handle = serve.get_deployment_handle("Router", app_name=APP)
     if transport != "handles":  # the router's directory registers each worker once its model is loaded
-        deadline = time.monotonic() + 60
-        while (workers := handle.info.remote().result()["workers"]) and \
-                (len(workers["draft"]) < 2 or len(workers["verifier"]) < 1) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        workers = _wait_for_workers(handle, drafts=2, timeout_s=60)
         assert len(workers["draft"]) == 2 and len(workers["verifier"]) == 1, workers
     yield handle
     delete_app(APP)
+
+
+def _args(tp: int, transport: str, draft_replicas: int = 2) -> dict:
+    args = {**ARGS, "target": {**ARGS["target"], "tensor_parallel": tp},
+            "draft_pool": {**ARGS["draft_pool"], "num_replicas": draft_replicas},
+            "router": {**ARGS["router"], "transport": transport}}
+    if transport == "compiled":  # two candidate chains per step, one per draft worker, verified as one tree
+        args["speculation"] = {**ARGS["speculation"], "draft_num": 2}
+    return args
+
+
+def _wait_for_workers(router, drafts: int, timeout_s: float) -> dict:
+    """The router's registered workers, once it has ``drafts`` draft workers and a verifier (or at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = router.info.remote().result()["workers"]
+        if (len(workers["draft"]), len(workers["verifier"])) == (drafts, 1) or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.2)
 
 
 def _request(prompt):
@@ -177,9 +189,7 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
     # own while the next batch runs, and that batch too is exact.
     outputs = asyncio.run(_run_mixed(router, prompts))
     assert outputs == references
-    deadline = time.monotonic() + 60
-    while len((workers := router.info.remote().result()["workers"])["draft"]) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    workers = _wait_for_workers(router, drafts=2, timeout_s=60)
     assert len(workers["draft"]) == 2 and workers["rebuilds"] >= info["workers"]["rebuilds"] + 1, workers
     assert asyncio.run(_run_mixed(router, prompts[:16])) == references[:16]
 
@@ -277,3 +287,64 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts,
     assert all(r is True or r == "error" for r in results), results  # never a silently wrong answer
     later = [router.generate.remote(_request(p)).result().token_ids for p in prompts[20:24]]
     assert later == references[20:24]
+
+
+async def _keep_busy_through_a_redeploy(router, prompts, args, drafts: int, in_flight: int = 16) -> list:
+    """Keep ``in_flight`` requests running (half unary, half streaming, cycling through ``prompts``) from
+    before the app is deployed again with ``args`` until the router the handle reaches has ``drafts`` draft
+    workers (the new build serves); returns (prompt index, tokens or the exception) for every request sent."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    async def one(i):
+        try:
+            if i % 2:
+                return i, await _collect_stream(router, prompts[i % len(prompts)])
+            return i, (await router.generate.remote(_request(prompts[i % len(prompts)]))).token_ids
+        except Exception as exc:  # noqa: BLE001  (a lost request is what the test counts)
+            return i, exc
+
+    running = {asyncio.ensure_future(one(i)) for i in range(in_flight)}
+    sent, results = in_flight, []
+    start = (await router.info.remote())["stats"]["steps"]
+    while (await router.info.remote())["stats"]["steps"] < start + 3:
+        await asyncio.sleep(0.02)
+    serve._run(build_app(args), name=APP, _blocking=False)
+    deadline = time.monotonic() + 300
+    while len((await router.info.remote())["workers"]["draft"]) != drafts and time.monotonic() < deadline:
+        done, running = await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        results += [t.result() for t in done]
+        running |= {asyncio.ensure_future(one(sent + k)) for k in range(len(done))}
+        sent += len(done)
+    return results + await asyncio.gather(*running)
+
+
+def test_redeploying_with_a_draft_replica_more_under_load_loses_no_request(router, transport, prompts, references):
+    """Compiled transport: the app is deployed again with three draft replicas instead of two while requests
+    keep arriving, until the new router serves. The config is every deployment's init argument, so Serve
+    rolls the whole app: a new router, ingress and stage replicas start while the old ones drain. The old
+    router must finish its requests on the workers of its own build and the new one use the new build's,
+    never each other's (``deployments.worker_directory.app_key``): before that, the draining router compiled
+    graphs onto the new workers, every stage call of both routers waited out its timeout, and 63 of 64
+    requests failed. Where both routers still reach one stage replica (over handles), their sequence ids
+    differ (``engine.engine.random_first_seq_id``): both counting from 0, one request in ~500 came out
+    wrong. Runs last: it replaces the module's app."""
+    if transport != "compiled":
+        pytest.skip("the stage workers of the compiled transport")
+    before = router.info.remote().result()["workers"]
+    t0 = time.monotonic()
+    results = asyncio.run(_keep_busy_through_a_redeploy(router, prompts, _args(1, "compiled", draft_replicas=3),
+                                                        drafts=3))
+    print(f"{len(results)} requests in {time.monotonic() - t0:.0f} s through the redeploy")
+    failed = [(i, o) for i, o in results if isinstance(o, BaseException)]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+    wrong = [i for i, o in results if o != references[i % len(prompts)]]
+    assert not wrong, (f"{len(wrong)} of {len(results)} outputs differ: {wrong[:5]}",
+                       [(o, references[i % len(prompts)]) for i, o in results if i in wrong[:2]])
+    workers = _wait_for_workers(router, drafts=3, timeout_s=90)
+    assert len(workers["draft"]) == 3 and len(workers["verifier"]) == 1, workers
+    # The new router uses the new build's workers only: none of the names it had before.
+    assert not set(workers["draft"] + workers["verifier"]) & set(before["draft"] + before["verifier"]), \
+        (before, workers)
+    assert [router.generate.remote(_request(p)).result().token_ids for p in prompts[:8]] == references[:8]
