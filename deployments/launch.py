@@ -179,7 +179,14 @@ def serve_forever(config_path: str | None = None, host: str | None = None, port:
     cfg = load_launch_config(config_path, host, port)
     key_file = None
     try:
-        key_file = start(cfg)
+        try:
+            key_file = start(cfg)
+        except KeyboardInterrupt:  # Ctrl-C while models load: a message, not a traceback
+            print("[specserve] interrupted while starting; shutting down", file=sys.stderr)
+            import ray
+
+            ray.shutdown()
+            return 130
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         print(f"[specserve] serving {cfg.http.model_name} at {url}/v1 (health: {url}/health); Ctrl-C stops",
               file=sys.stderr)
