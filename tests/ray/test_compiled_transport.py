@@ -63,6 +63,17 @@ def _engine(settings, limits, transport: str, n_drafts: int = 2):
     return engine, stages, drafts, verifier
 
 
+def _close(stages) -> None:
+    """Tear the graphs down and end the members' workers: the driver owns them, so they would live (each
+    holding its models) until the session's end."""
+    import ray
+
+    workers = [link.worker for link in stages.drafts.all() + stages.verifiers.all()]
+    stages.close()
+    for worker in workers:
+        ray.kill(worker)
+
+
 def _run(engine, requests, on_step=None) -> list[list[int]]:
     ids = [engine.add(r) for r in requests]
     steps = 0
@@ -83,7 +94,7 @@ def test_outputs_equal_the_in_process_engine(parts, transport):
         assert stages.fallbacks == 0
         assert any(stage == "draft" for stage, _, _ in stages.timings.drain())  # it drafted remotely
     finally:
-        stages.close()
+        _close(stages)
 
 
 def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts):
@@ -102,7 +113,7 @@ def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts):
         assert [link.key for link in stages.drafts.all()] == ["draft-1"]
         assert stages.fallback_reasons["draft_died"] + stages.fallback_reasons["draft_timeout"] >= 1
     finally:
-        stages.close()
+        _close(stages)
 
 
 def test_dead_verifier_worker_resyncs_on_its_replacement(parts):
@@ -125,7 +136,7 @@ def test_dead_verifier_worker_resyncs_on_its_replacement(parts):
         assert _run(engine, requests, replace) == expected
         assert engine.verifier_resyncs > 0
     finally:
-        stages.close()
+        _close(stages)
 
 
 def test_draft_worker_added_under_load_joins(parts):
@@ -144,4 +155,4 @@ def test_draft_worker_added_under_load_joins(parts):
         assert _run(engine, requests, grow) == expected
         assert [link.key for link in stages.drafts.all()] == ["draft-0", "draft-new"]
     finally:
-        stages.close()
+        _close(stages)
