@@ -82,7 +82,8 @@ def test_chat_prompts_file(tmp_path):
     embedded pair answers the JSON requests with bare JSON (no prompt opens it): judged as answers."""
     out = tmp_path / "chat"
     done = bench("--prompts-file", str(REPO / "scripts" / "prompts" / "chat.jsonl"), "--prompts", "2",
-                 "--max-tokens", "64", "--batch", "0", "--fixed-gammas", "none", "--skip-hf", "--out", str(out))
+                 "--max-tokens", "64", "--batch", "0", "--fixed-gammas", "none", "--trees", "none",
+                 "--auto-tree-nodes", "0", "--skip-hf", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "scenarios.json").read_text())
     rows = {r["scenario"]: r for r in report["scenarios"]}
