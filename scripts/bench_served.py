@@ -6,7 +6,8 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 - in-process plain: the engine with no draft (what plain ``generate`` of the target costs here);
 - in-process speculative: the same engine with the draft model (adaptive γ);
 - served speculative: the Serve app started as ``specserve serve`` starts it (``deployments.loopback``,
-  loopback), requests through its OpenAI HTTP API, once per layout (``--placements``: ``offload`` = a
+  loopback; the ingress replica serves HTTP itself, on a port of its own, without Serve's proxy),
+  requests through its OpenAI HTTP API, once per layout (``--placements``: ``offload`` = a
   draft-pool replica, the default config; ``compiled`` = the same, with ``router.transport: compiled``
   (every step's frames through compiled-graph channels to the stage replicas' workers); ``actor`` = the
   same over direct actor calls to those workers; ``colocated`` =
@@ -53,7 +54,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 from deployments.loadgen import pct  # noqa: E402
 from evaluation.scenarios import SCENARIOS, load_prompts  # noqa: E402
 
-PORT = 18000 + os.getpid() % 1000
+PORT = 18000 + os.getpid() % 1000  # the config's http.port; the ingress replicas serve on ports of start_apps'
 
 
 def served_args(args, placement: str | None, stages: str = "remote", transport: str = "handles") -> dict:
@@ -77,10 +78,14 @@ def served_args(args, placement: str | None, stages: str = "remote", transport: 
 
 
 def start_apps(args) -> dict[str, tuple[str, str]]:
-    """Start Ray + Serve on loopback as ``specserve serve`` does and deploy one app per served row;
-    returns row name → (app name, base URL)."""
-    from deployments.loopback import init_local_ray
+    """Start Ray + Serve on loopback as ``specserve serve`` starts its own (each ingress replica serving HTTP
+    itself, ``deployments.loopback.direct_ingress_env``) and deploy one app per served row; returns row name
+    → (app name, base URL)."""
+    from deployments.loopback import direct_ingress_env, init_local_ray
 
+    # Before Ray starts (its processes read them at import): a port range with room for every row's ingress.
+    first = free_port_range(2 * len(args.placements) + 2)
+    os.environ.update(direct_ingress_env(first, 2 * len(args.placements) + 2))
     # Several apps side by side: Ray's CPU count is logical, raised so that all their replicas are placed
     # (each reserves 0.25 CPU; their threads come from the config, not from this).
     init_local_ray(num_cpus=4 * (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
@@ -90,13 +95,50 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     from deployments.app import build_app
     from deployments.launch import deploy
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    urls = {}
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})  # the proxy idles, as with specserve serve
+    urls, taken = {}, set()
     for i, (row, layout) in enumerate(served_layouts(args).items()):
         name = f"bench{i}"
         deploy(build_app(served_args(args, *layout)), name, route_prefix=f"/{name}")
-        urls[row] = (name, f"http://127.0.0.1:{PORT}/{name}")
+        port = new_listener(range(first, first + 2 * len(args.placements) + 2), taken)  # this app's ingress
+        taken.add(port)
+        urls[row] = (name, f"http://127.0.0.1:{port}/{name}")
     return urls
+
+
+def free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that are all free now."""
+    import random
+    import socket
+
+    for _ in range(100):
+        first = random.randrange(20000, 60000 - n)
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free loopback ports found")
+
+
+def new_listener(ports, taken: set[int], timeout_s: float = 60.0) -> int:
+    """The one port of ``ports`` outside ``taken`` that accepts connections (an app's ingress just started)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = set()
+        for port in set(ports) - taken:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    found.add(port)
+        if len(found) == 1:
+            return found.pop()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"expected one new ingress port in {ports}, found {sorted(found)}")
+        time.sleep(0.2)
 
 
 def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
