@@ -39,10 +39,12 @@ _WILDCARD_ANY_PORT = "[::]:0"
 def direct_ingress_env(port: int, count: int = 1) -> dict[str, str]:
     """Environment for Ray (set before it starts: the controller and replicas read it at import) that makes
     each ingress replica serve HTTP itself, on one of the ``count`` ports from ``port`` (Serve allocates
-    direct-ingress ports from [MIN, MAX); ``specserve serve`` has one ingress and one port). Serve keeps a stopping direct-ingress replica up for a
-    minimum draining period (30 s) so that a load balancer in front of it notices; nothing stands in front of
-    this one, so Ctrl-C took 33 s with nothing in flight. Without that period it still waits for every
-    request in flight (``graceful_shutdown_timeout_s``) and takes ~3 s when idle."""
+    direct-ingress ports from [MIN, MAX); ``specserve serve`` has one ingress and one port).
+
+    Serve keeps a stopping direct-ingress replica up for a minimum draining period (30 s) so that a load
+    balancer in front of it notices; nothing stands in front of these, so Ctrl-C took 33 s with nothing in
+    flight. Without that period a stopping replica still waits for the requests in flight
+    (``graceful_shutdown_timeout_s``), and an idle app stops in a few seconds."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + count),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
