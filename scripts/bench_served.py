@@ -84,8 +84,9 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     from deployments.loopback import direct_ingress_env, init_local_ray
 
     # Before Ray starts (its processes read them at import): a port range with room for every row's ingress.
-    first = free_port_range(2 * len(args.placements) + 2)
-    os.environ.update(direct_ingress_env(first, 2 * len(args.placements) + 2))
+    count = 2 * len(args.placements) + 2  # served_layouts' most rows
+    first = free_port_range(count)
+    os.environ.update(direct_ingress_env(first, count))
     # Several apps side by side: Ray's CPU count is logical, raised so that all their replicas are placed
     # (each reserves 0.25 CPU; their threads come from the config, not from this).
     init_local_ray(num_cpus=4 * (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
@@ -100,7 +101,7 @@ def start_apps(args) -> dict[str, tuple[str, str]]:
     for i, (row, layout) in enumerate(served_layouts(args).items()):
         name = f"bench{i}"
         deploy(build_app(served_args(args, *layout)), name, route_prefix=f"/{name}")
-        port = new_listener(range(first, first + 2 * len(args.placements) + 2), taken)  # this app's ingress
+        port = new_listener(range(first, first + count), taken)  # this app's ingress
         taken.add(port)
         urls[row] = (name, f"http://127.0.0.1:{port}/{name}")
     return urls
