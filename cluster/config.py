@@ -373,7 +373,8 @@ class RouterSpec(_Spec):
         "'compiled': each draft-pool and verifier replica runs its model in a stage worker (a plain actor on its "
         "node) and the router sends every step's frame through a Ray Compiled Graph channel to it; 'actor': the "
         "same workers, reached by direct actor calls. Serve stays the control plane and its handles the fallback "
-        "(docs/transport.md). A tensor-parallel verifier and a colocated draft stay on handles.",
+        "(docs/transport.md). A tensor-parallel verifier's worker drives its ranks; a colocated draft stays on "
+        "handles.",
     )
     max_queue: int = Field(
         256, ge=0, description="Most requests waiting for a running slot; beyond it requests are rejected."
@@ -615,12 +616,13 @@ class ClusterConfig(_Spec):
     @property
     def worker_stages(self) -> frozenset[str]:
         """The stages whose replicas run their model in a stage worker ("draft", "verifier"): all remote
-        ones under a worker transport, except a tensor-parallel verifier (its ranks are the workers) and
-        a colocated draft (a worker takes part in one compiled graph only, and that replica hosts both)."""
+        ones under a worker transport (a tensor-parallel verifier's worker drives its group of ranks),
+        except with a colocated draft (a worker takes part in one compiled graph only, and that replica
+        hosts both)."""
         if self.router.transport == "handles" or self.router.stages == "local" or \
                 self.draft_pool.placement == "colocated":
             return frozenset()
-        stages = {"verifier"} if self.target.tensor_parallel == 1 else set()
+        stages = {"verifier"}
         if self.draft.kind != "none":
             stages.add("draft")
         return frozenset(stages)

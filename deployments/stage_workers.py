@@ -26,6 +26,7 @@ from typing import Callable
 import ray
 
 from deployments.metrics import SlotGauge
+from deployments.replica_process import use_threads
 from runtime import wire
 
 OP_PROPOSE, OP_VERIFY, OP_RELEASE = b"p", b"v", b"r"
@@ -63,6 +64,7 @@ class StageWorker:
     def call(self, frame: bytes) -> bytes:
         op, body = frame[:1], frame[1:]
         with self._lock:
+            use_threads()  # a compiled graph calls from a thread of its own, with torch's default thread count
             start = time.time()
             try:
                 return self._call(op, body)
@@ -76,7 +78,9 @@ class StageWorker:
             return wire.encode_proposal(self.stage.propose(wire.decode_propose(body, self.limits)))
         if op == OP_VERIFY:
             items, proposal = wire.decode_verify(body, self.limits)
-            return wire.encode_outcome(self.stage.verify(items, proposal))
+            relay = getattr(self.stage, "relay", None)  # a tensor-parallel group: its ranks decode the frame
+            outcome = relay(body) if relay is not None else self.stage.verify(items, proposal)
+            return wire.encode_outcome(outcome)
         if op == OP_RELEASE:
             self.stage.release(list(wire.decode_release(body, self.limits).seq_ids))
             return b""
@@ -90,9 +94,11 @@ class StageWorker:
 
     def stats(self) -> dict:
         runner = self._runner
+        health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
         return {"pid": os.getpid(), "calls": self.busy.calls, "busy_seconds": self.busy.seconds,
                 "slots_in_use": runner.pool.slots_in_use if runner is not None else 0,
-                "sequences": len(runner.seqs) if runner is not None else len(getattr(self.stage, "histories", {}))}
+                "sequences": len(runner.seqs) if runner is not None else len(getattr(self.stage, "histories", {})),
+                "group": health() if health is not None else None}
 
 
 def start_worker(make_stage: Callable[[], object], limits: wire.WireLimits, *, name: str | None = None,

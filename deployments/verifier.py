@@ -26,7 +26,11 @@ from engine.assembly import make_proposer, make_verify_stage
 
 
 def build_verify_stage(cfg: ClusterConfig):
-    return make_verify_stage(engine_settings(cfg))
+    """The verify stage of one replica: the target itself, or a group of tensor-parallel ranks it drives."""
+    settings = engine_settings(cfg)
+    if cfg.target.tensor_parallel > 1:
+        return VerifierGroup.from_config(settings, cfg)
+    return make_verify_stage(settings)
 
 
 @serve.deployment(name="Verifier")
@@ -36,14 +40,14 @@ class Verifier(StageHost):
         start_replica(cfg, role)
         self._init_host(wire_limits(cfg))
         self.stage = self.proposer = None
-        if "verifier" in cfg.worker_stages:
+        if "verifier" in cfg.worker_stages:  # with tensor parallelism the ranks, not the worker, hold GPUs
             self._start_worker(cfg, "verifier", role, build_verify_stage, generation=generation,
                                threads=cfg.verifier.num_threads,
-                               num_gpus=cfg.verifier.num_gpus, slot_gauge="target")
+                               num_gpus=cfg.verifier.num_gpus if cfg.target.tensor_parallel == 1 else 0,
+                               slot_gauge="target")
             return
         settings = engine_settings(cfg)
-        self.stage = (VerifierGroup.from_config(settings, cfg) if cfg.target.tensor_parallel > 1 else
-                      make_verify_stage(settings))
+        self.stage = build_verify_stage(cfg)
         colocated = cfg.draft_pool.placement == "colocated" and settings.draft is not None
         self.proposer = make_proposer(settings) if colocated else None
         self._slots = SlotGauge("target")
@@ -79,7 +83,7 @@ class Verifier(StageHost):
 
     async def stats(self) -> dict:
         if self.worker is not None:
-            return await self._worker_stats(group=None)
+            return await self._worker_stats()
         runner = getattr(self.stage, "runner", None)
         health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
         return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.busy.calls,

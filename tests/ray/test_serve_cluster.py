@@ -39,8 +39,8 @@ def references(prompts):
     return tiny_greedy(prompts, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=[(1, "handles"), (2, "handles"), (1, "compiled")],
-                ids=["tp1", "tp2", "compiled"])
+@pytest.fixture(scope="module", params=[(1, "handles"), (2, "handles"), (2, "compiled")],
+                ids=["tp1", "tp2", "compiled-tp2"])
 def variant(request):
     return request.param
 
@@ -58,9 +58,10 @@ def transport(variant):
 @pytest.fixture(scope="module")
 def router(ray_cluster, tp, transport):
     """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group,
-    both over Serve handles; then with a single-process verifier and every step's frames over compiled-graph
-    channels to the stage replicas' workers (docs/transport.md), drafting two candidates per step
-    (``speculation.draft_num``): a micro-batch's two branches go to the two draft workers."""
+    both over Serve handles; then with the TP = 2 group and every step's frames over compiled-graph channels
+    to the stage replicas' workers (docs/transport.md; the verifier's worker drives the group's ranks),
+    drafting two candidates per step (``speculation.draft_num``): a micro-batch's two branches go to the two
+    draft workers."""
     from ray import serve
 
     from deployments.app import build_app
@@ -329,7 +330,8 @@ def test_redeploying_with_a_draft_replica_more_under_load_loses_no_request(route
     graphs onto the new workers, every stage call of both routers waited out its timeout, and 63 of 64
     requests failed. Where both routers still reach one stage replica (over handles), their sequence ids
     differ (``engine.engine.random_first_seq_id``): both counting from 0, one request in ~500 came out
-    wrong. Runs last: it replaces the module's app."""
+    wrong. The new build also swaps the TP = 2 group for a single-process verifier, so the suite serves over
+    that worker too. Runs last: it replaces the module's app."""
     if transport != "compiled":
         pytest.skip("the stage workers of the compiled transport")
     before = router.info.remote().result()["workers"]

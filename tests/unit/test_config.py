@@ -323,7 +323,8 @@ def test_every_field_is_described_and_every_model_forbids_extras() -> None:
     ({}, set()),  # handles: no stage workers
     ({"router": {"transport": "compiled"}}, {"draft", "verifier"}),
     ({"router": {"transport": "actor"}, "draft": {"kind": "none", "path": None}}, {"verifier"}),
-    ({"router": {"transport": "compiled"}, "target": {"tensor_parallel": 2}}, {"draft"}),  # ranks are workers
+    # the verifier's worker drives the group of ranks
+    ({"router": {"transport": "compiled"}, "target": {"tensor_parallel": 2}}, {"draft", "verifier"}),
     ({"router": {"transport": "compiled"}, "draft_pool": {"placement": "colocated"}}, set()),
 ])
 def test_worker_stages_follow_the_transport(sections: dict[str, Any], expected: set[str]) -> None:
