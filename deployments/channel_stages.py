@@ -55,53 +55,64 @@ from runtime.protocol import ProposalBatch, ProposeItem, VerifyItem
 log = logging.getLogger("specserve.channel_stages")
 
 TRANSPORTS = ("compiled", "actor")
-MAX_INFLIGHT = 8  # two micro-batches × (propose or verify) + releases not yet collected, with room to spare
+MAX_INFLIGHT = 8  # two micro-batches × (propose or verify) + unread releases, with room to spare
+MAX_UNREAD_RELEASES = 4
+RELEASE_READ_TIMEOUT_S = 30.0  # a release waits behind the calls queued ahead of it on its worker
 
 
 class WorkerLink:
-    """One worker and the way to reach it. ``send`` returns a ref whose ``get(timeout)`` gives the reply."""
+    """One worker, or every rank of a tensor-parallel group (``worker`` a list: each rank takes every frame),
+    and the way to reach it. ``send`` returns a reply whose ``get(timeout)`` gives the answer (one reply per
+    rank for a group); ``get`` may be called once."""
 
     def __init__(self, key: str, worker, transport: str):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.key, self.worker, self.transport = key, worker, transport
+        self.ranks = worker if isinstance(worker, list) else None
         self._lock = threading.Lock()  # a compiled graph's execute is not safe from two threads at once
-        self._releases: deque = deque()
+        self._releases: deque = deque()  # replies to releases not read yet, oldest first
         self.graph = None
         if transport == "compiled":
-            from ray.dag import InputNode
+            from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as frame:
-                dag = worker.call.bind(frame)
+                dag = (MultiOutputNode([rank.call.bind(frame) for rank in self.ranks]) if self.ranks is not None
+                       else worker.call.bind(frame))
             self.graph = dag.experimental_compile(_max_inflight_executions=MAX_INFLIGHT)
 
     def send(self, frame: bytes):
         with self._lock:
-            self._collect_releases()
-            if self.graph is not None:
-                return _Reply(self.graph.execute(frame))
-            return _Reply(self.worker.call.remote(frame))
+            # Releases sent before this call are answered before it (a worker answers in submission order),
+            # so their replies need no reading: a compiled graph frees an execution whose ref is gone once a
+            # later one is read.
+            self._releases.clear()
+            return self._submit(frame)
 
     def release(self, frame: bytes) -> None:
-        """Sent in order with the stage calls; its (empty) reply is collected by a later send."""
-        ref = self.send(frame)
+        """Sent at once, ordered with the stage calls. A link that gets releases and no calls (a draft worker
+        no shard maps to) would run out of the graph's in-flight executions, so past ``MAX_UNREAD_RELEASES``
+        the oldest reply is read, waiting at most for the calls queued ahead of it."""
         with self._lock:
-            self._releases.append(ref)
+            self._releases.append(self._submit(frame))
+            while len(self._releases) > MAX_UNREAD_RELEASES:
+                oldest = self._releases.popleft()
+                for reply in oldest if isinstance(oldest, list) else [oldest]:
+                    reply.get(timeout=RELEASE_READ_TIMEOUT_S)
 
-    def _collect_releases(self) -> None:
-        # A worker answers in submission order, so a release is done once a later call was answered;
-        # collecting finished ones keeps the graph's in-flight executions bounded.
-        while self._releases:
-            try:
-                self._releases[0].get(timeout=0)
-            except (TimeoutError, GetTimeoutError):
-                return
-            except Exception as exc:  # the worker failed; the stage call that notices drops the link
-                log.warning("release on %s failed: %s", self.key, exc)
-            self._releases.popleft()
+    def _submit(self, frame: bytes):
+        if self.graph is not None:
+            refs = self.graph.execute(frame)
+        elif self.ranks is not None:
+            arg = ray.put(frame)  # one copy in the object store, read by every rank
+            refs = [rank.call.remote(arg) for rank in self.ranks]
+        else:
+            refs = self.worker.call.remote(frame)
+        return [_Reply(ref) for ref in refs] if isinstance(refs, list) else _Reply(refs)
 
     def close(self) -> None:
         """Tear the graph down without waiting for it: a dead worker can hold teardown for seconds."""
+        self._releases.clear()
         graph, self.graph = self.graph, None
         if graph is not None:
             threading.Thread(target=_teardown, args=(graph, self.key), daemon=True,

@@ -7,7 +7,10 @@ Contract:
   (``verifier.tensor_parallel.TPVerifierRank``) from a plain model spec (``runtime.models.build_model``).
 - ``relay`` / ``submit_relay`` send the verifier deployment's wire frame (``runtime.wire``; nothing is
   pickled) as it came to every rank (``verify`` encodes one first, for in-process callers), in the same
-  order for every rank (submission happens under one lock), and return rank 0's outcome. The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
+  order for every rank (submission happens under one lock), and return rank 0's outcome. ``transport``
+  says how: ``compiled``, one Ray Compiled Graph feeding every rank's ``call`` from one input (the
+  router's ``router.transport`` 'compiled'), or ``actor``, one actor call per rank
+  (``deployments.channel_stages.WorkerLink`` either way; releases travel the same way, in order). The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
   releases the rows concerned on every rank, so that they are re-prefilled through ``resync``.
 - A rank that dies or hangs (``RayActorError`` / no answer within ``verify_timeout_s``) takes the whole
   group with it: the group is torn down and rebuilt as a unit (``rebuild``), then ``VerifierGroupError``
@@ -33,14 +36,16 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import wire
 from cluster.node import cpu_cores
 from cluster.threads import resolve_threads
-from deployments.replica_process import check_memory, configure_process, model_process_env
+from deployments.channel_stages import WorkerLink
+from deployments.replica_process import check_memory, configure_process, model_process_env, use_threads
+from deployments.stage_workers import OP_RELEASE, OP_VERIFY
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.verify import AcceptanceConfig
 
@@ -111,12 +116,19 @@ class VerifierRankActor:
         self.limits = group_limits(opts, self.tp.vocab_size)
         return {**self.tp.info(), "vocab_size": self.tp.vocab_size, "node": ray.util.get_node_ip_address()}
 
-    def verify(self, frame: bytes) -> bytes:
-        items, proposal = wire.decode_verify(frame, self.limits)
-        return wire.encode_outcome(self.tp.verify(items, proposal))
-
-    def release(self, frame: bytes) -> None:
-        self.tp.release(list(wire.decode_release(frame, self.limits).seq_ids))
+    def call(self, frame: bytes) -> bytes:
+        """A verify or a release (the first byte names it, as for a stage worker), sent by the group to
+        every rank in one order: over the group's compiled graph, on the graph's thread, or as an actor
+        call."""
+        use_threads()  # torch keeps a thread count per OS thread
+        op, body = frame[:1], frame[1:]
+        if op == OP_VERIFY:
+            items, proposal = wire.decode_verify(body, self.limits)
+            return wire.encode_outcome(self.tp.verify(items, proposal))
+        if op == OP_RELEASE:
+            self.tp.release(list(wire.decode_release(body, self.limits).seq_ids))
+            return b""
+        raise wire.WireError(f"unknown rank operation {op!r}")
 
     def info(self) -> dict:
         return self.tp.info()
@@ -133,8 +145,8 @@ class VerifierRankActor:
 class VerifyPending:
     """An in-flight verify of one group generation; ``result()`` gathers the ranks' answers."""
 
-    def __init__(self, group: "VerifierGroup", generation: int, refs: list):
-        self.group, self.generation, self.refs = group, generation, refs
+    def __init__(self, group: "VerifierGroup", generation: int, replies: list):
+        self.group, self.generation, self.replies = group, generation, replies
 
     def result(self) -> VerifyOutcome:
         return self.group._collect(self)
@@ -151,7 +163,7 @@ class VerifierGroup:
                  backend: str | None = None, cpu_shm_allreduce: bool = False,
                  omp_threads: int | str | None = None,
                  tp_grain_size: int | None = None, load: str = "full", memory_plan: dict | None = None,
-                 placement_timeout_s: float = 120.0,
+                 transport: str = "actor", placement_timeout_s: float = 120.0,
                  setup_timeout_s: float = 900.0, verify_timeout_s: float = 300.0, dist_timeout_s: float = 300.0,
                  start: bool = True):
         if tp_size < 1:
@@ -171,6 +183,8 @@ class VerifierGroup:
         self.accelerator_type = accelerator_type
         self.placement_timeout_s, self.setup_timeout_s = placement_timeout_s, setup_timeout_s
         self.verify_timeout_s = verify_timeout_s
+        self.transport = transport  # how the ranks get each frame: a compiled graph, or actor calls
+        self._link: WorkerLink | None = None
         if device == "auto" and num_gpus == 0:
             device = "cpu"  # a rank without a reserved GPU must not grab one it happens to see
         self.threads = omp_threads if omp_threads is not None else max(1, int(num_cpus))
@@ -208,7 +222,7 @@ class VerifierGroup:
                       max_slots=settings.max_slots, max_len=settings.max_len, acceptance=settings.acceptance,
                       limits=wire_limits(cfg), num_cpus=v.num_cpus, num_gpus=v.num_gpus, resources=v.resources,
                       accelerator_type=v.accelerator_type, placement_strategy=v.placement_strategy,
-                      omp_threads=v.num_threads,
+                      omp_threads=v.num_threads, transport="compiled" if cfg.router.transport == "compiled" else "actor",
                       memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,
                                             "report": full.report()})
         kwargs.update(overrides)
@@ -265,8 +279,12 @@ class VerifierGroup:
         except (RayActorError, GetTimeoutError) as exc:
             raise VerifierGroupError(f"verifier group failed to start: {exc}") from exc
         self.limits = group_limits(self.options, self.rank_info[0]["vocab_size"])
+        self._link = WorkerLink(f"verifier group {self.generation}", self.actors, self.transport)
 
     def _teardown(self, graceful: bool = False) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
         actors, self.actors = self.actors, []
         if graceful and actors:
             try:
@@ -299,10 +317,12 @@ class VerifierGroup:
     def submit_relay(self, frame: bytes) -> VerifyPending:
         """Send a verify frame, as it came, to every rank (each decodes it against the wire limits)."""
         with self._lock:
-            if not self.actors:
+            if self._link is None:
                 raise VerifierGroupError("the verifier group is not running")
-            ref = ray.put(frame)  # one copy in the object store, read by every rank
-            return VerifyPending(self, self.generation, [a.verify.remote(ref) for a in self.actors])
+            try:
+                return VerifyPending(self, self.generation, self._link.send(OP_VERIFY + frame))
+            except (RayActorError, RayChannelError) as exc:  # a rank is gone: rebuilt, then retried
+                self._fail(self.generation, f"sending to the ranks failed: {type(exc).__name__}: {exc}")
 
     def relay(self, frame: bytes) -> VerifyOutcome:
         return self.submit_relay(frame).result()
@@ -314,10 +334,13 @@ class VerifierGroup:
         """Fire-and-forget on every rank (ordered before any later verify); a dead rank shows up there."""
         if not seq_ids:
             return
-        frame = wire.encode_release(wire.Release(tuple(seq_ids)))
+        frame = OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
         with self._lock:
-            for actor in self.actors:
-                actor.release.remote(frame)
+            if self._link is not None:
+                try:
+                    self._link.release(frame)
+                except Exception as exc:  # a lost release only leaves the slots to the ranks' LRU eviction
+                    log.warning("verifier group release: %s", exc)
 
     def health(self, timeout_s: float = 10.0) -> dict:
         with self._lock:
@@ -342,19 +365,15 @@ class VerifierGroup:
 
     def _collect(self, pending: VerifyPending) -> VerifyOutcome:
         deadline = time.monotonic() + self.verify_timeout_s
-        index = {ref: r for r, ref in enumerate(pending.refs)}
         answers: dict[int, Any] = {}
-        waiting = list(pending.refs)
         failure = None
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                failure = f"no answer from ranks {sorted(index[w] for w in waiting)} within {self.verify_timeout_s} s"
-                break
-            rank = index[ready[0]]
+        for rank, reply in enumerate(pending.replies):
             try:
-                answers[rank] = ray.get(ready[0])
-            except RayActorError as exc:
+                answers[rank] = reply.get(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:  # GetTimeoutError and RayChannelTimeoutError are TimeoutErrors
+                failure = f"no answer from rank {rank} within {self.verify_timeout_s} s"
+                break
+            except (RayActorError, RayChannelError) as exc:  # a dead rank (a graph with one: every rank)
                 failure = f"rank {rank} died: {exc}"
                 break
             except RayTaskError as exc:
@@ -367,7 +386,7 @@ class VerifierGroup:
                 failure = f"ranks disagree: {len(errors)} of {len(answers)} failed ({errors[0]})"
         if failure is not None:
             self._fail(pending.generation, failure)
-        outcomes = [wire.decode_outcome(answers[r], self.limits) for r in range(len(pending.refs))]
+        outcomes = [wire.decode_outcome(answers[r], self.limits) for r in range(len(pending.replies))]
         return self._agree(outcomes)
 
     def _fail(self, generation: int, reason: str):

@@ -288,7 +288,7 @@ class Engine:
                 self.running[seq_id].proposer_base = 0  # the proposer lost it: resend the whole history
         step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds)
         nodes = dict(zip(proposal.seq_ids, proposal.lengths.tolist()))  # drafts verified: a tree's size
-        events = []
+        events, done = [], []
         for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,
                                                        outcome.num_proposed):
             seq = self.running.get(seq_id)
@@ -304,7 +304,7 @@ class Engine:
                 if seq.failures > self.max_failures:
                     seq.finish_reason = "error"
                     events.append(StepEvent(seq_id, (), "error"))
-                    self._finish(seq)
+                    done.append(seq)
                 continue
             seq.failures = 0
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
@@ -314,7 +314,8 @@ class Engine:
                 st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))
             events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
             if seq.finish_reason is not None:
-                self._finish(seq)
+                done.append(seq)
+        self._finish(done)
         seq_share = len(batch) or 1
         for seq in batch:
             seq.stats.draft_seconds += proposal.draft_seconds / seq_share
@@ -346,28 +347,35 @@ class Engine:
         seq.text = text[: min(cuts)]
         return True
 
-    def _finish(self, seq: Sequence) -> None:
-        self.running.pop(seq.seq_id, None)
-        self.stages.release([seq.seq_id], seq.micro_batch)
-        self.finished[seq.seq_id] = seq
+    def _finish(self, seqs: list[Sequence]) -> None:
+        """Retire ``seqs`` and free their caches: one release per micro-batch, not per sequence (a step
+        that finishes many rows would otherwise send as many frames to every stage)."""
+        shards: dict[int, list[int]] = {}
+        for seq in seqs:
+            self.running.pop(seq.seq_id, None)
+            self.finished[seq.seq_id] = seq
+            shards.setdefault(seq.micro_batch, []).append(seq.seq_id)
+        for shard, seq_ids in shards.items():
+            self.stages.release(seq_ids, shard)
 
     # -- membership ------------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> list[StepEvent]:
-        events = []
+        events, cancelled = [], []
         while not self._inbox.empty():
             op, arg = self._inbox.get()
             if op == "add":
                 self.waiting.append(arg)
                 continue
             seq = self.running.get(arg) or next((s for s in self.waiting if s.seq_id == arg), None)
-            if seq is None:
+            if seq is None or seq.finish_reason is not None:  # unknown, or cancelled twice
                 continue
             if seq in self.waiting:
                 self.waiting.remove(seq)
             seq.finish_reason = "cancelled"
-            self._finish(seq)
+            cancelled.append(seq)
             events.append(StepEvent(seq.seq_id, (), "cancelled"))
+        self._finish(cancelled)
         return events
 
     def _admit(self) -> None:

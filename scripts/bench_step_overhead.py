@@ -13,7 +13,11 @@ Serve handle with Poisson arrivals of streaming requests and reports:
   were busy at once (overlap);
 - time-to-first-token and inter-token latency percentiles.
 
-    python scripts/bench_step_overhead.py [--target DIR --draft DIR] [--requests 48 --rate 6]
+    python scripts/bench_step_overhead.py [--target DIR --draft DIR] [--requests 48 --rate 6] [--tp 2]
+
+With ``--tp 2`` the target is a tensor-parallel group of two ranks (gloo on CPU): over handles the
+verifier replica feeds its ranks with actor calls, over compiled channels its stage worker does, through a
+compiled graph of its own (docs/transport.md).
 
 Prints a table and writes JSON (default bench-out/step_overhead.json).
 
@@ -129,7 +133,7 @@ def run_mode(name: str, args, micro_batches: int, prompts, transport: str = "han
     from deployments.app import build_app
     from deployments.launch import deploy
 
-    app_args = {"target": {"path": args.target, "max_model_len": 512},
+    app_args = {"target": {"path": args.target, "max_model_len": 512, "tensor_parallel": args.tp},
                 "draft": {"kind": "model", "path": args.draft},
                 "speculation": {"gamma": args.gamma, "adaptive": False},
                 "draft_pool": {"num_replicas": 1},
@@ -396,6 +400,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=6.0, help="Poisson arrival rate, requests/s")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1, help="target.tensor_parallel of the served apps (gloo on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--transports", default="handles,compiled",

@@ -1,5 +1,6 @@
 """The tensor-parallel verifier group on a real local Ray cluster: TP = 2 over gloo against TP = 1, and a
-rank killed mid-generation (the group is rebuilt as a unit and the sequences resync).
+rank killed mid-generation (the group is rebuilt as a unit and the sequences resync). The group feeds its
+ranks through a compiled graph here; the cluster suite's TP = 2 app over Serve handles uses actor calls.
 
 Both tests share one TP = 2 group (its start costs two worker processes that import torch, transformers
 and deepspeed: ~30 s on a 2-core box); the second test kills one of its ranks, so it runs last.
@@ -48,13 +49,20 @@ class _RetryingVerify:
     """The router's side of a failed verify: retry once on the rebuilt group (whose answer resyncs)."""
 
     def __init__(self, stages: "GroupStages", items, proposal):
+        from deployments.verifier_group import VerifierGroupError
+
         self.stages, self.items, self.proposal = stages, items, proposal
-        self.pending = stages.group.submit_relay(wire.encode_verify(items, proposal))
+        try:
+            self.pending = stages.group.submit_relay(wire.encode_verify(items, proposal))
+        except VerifierGroupError as exc:  # a compiled graph's channels close with a rank: rebuilt on sending
+            self.pending = exc
 
     def result(self):
         from deployments.verifier_group import VerifierGroupError
 
         try:
+            if isinstance(self.pending, VerifierGroupError):
+                raise self.pending
             outcome = self.pending.result()
         except VerifierGroupError:
             self.stages.failures += 1
@@ -101,7 +109,7 @@ def group(ray_cluster):
 
     t0 = time.perf_counter()
     g = VerifierGroup(SPEC, tp_size=2, device="cpu", dtype="float32", max_slots=SLOTS, max_len=MAX_LEN, num_cpus=1,
-                      verify_timeout_s=120, dist_timeout_s=120)
+                      verify_timeout_s=120, dist_timeout_s=120, transport="compiled")
     print(f"TP=2 verifier group started in {time.perf_counter() - t0:.1f} s")
     yield g
     g.shutdown()

@@ -106,6 +106,30 @@ def test_micro_batch_that_empties_and_refills(target, noisy_draft, prompts, refs
         assert engine.output(sid).tokens == refs[2 + i]
 
 
+def test_rows_finishing_together_are_released_in_one_call_per_micro_batch(target, prompts, refs):
+    """A step that finishes many rows sends each stage one release (a compiled-graph worker has a bound on
+    executions in flight, and every Serve call costs milliseconds), as does a burst of cancellations."""
+    engine = make_engine(target, "same", gamma=2, micro_batches=2)
+    calls = []
+    release = engine.stages.release
+    engine.stages.release = lambda seq_ids, shard=0: (calls.append((shard, sorted(seq_ids))), release(seq_ids, shard))
+    ids = [engine.add(Request(p, max_tokens=3)) for p in prompts[:8]]
+    run_to_end(engine)
+    assert [engine.output(i).tokens for i in ids] == [r[:3] for r in refs[:8]]
+    assert sorted(i for _, seq_ids in calls for i in seq_ids) == sorted(ids)  # each released once
+    assert len(calls) <= 4 and {shard for shard, _ in calls} == {0, 1}, calls  # not one call per row
+    calls.clear()
+    more = [engine.add(Request(p, max_tokens=MAX_NEW)) for p in prompts[:6]]
+    engine.step()
+    for i in more:
+        engine.cancel(i)
+    engine.cancel(more[0])
+    run_to_end(engine)
+    assert sorted(i for _, seq_ids in calls for i in seq_ids) == sorted(more)
+    assert len(calls) == 2, calls  # one per micro-batch, the repeated cancel ignored
+    assert target_runner(engine).pool.slots_in_use == 0
+
+
 @pytest.mark.parametrize("distinct", [True, False], ids=["own ids", "both from 0"])
 def test_two_engines_on_the_same_stages(distinct, target, noisy_draft, prompts, refs):
     """While a redeploy rolls the app, the old and the new router reach the same stage replicas, which key
