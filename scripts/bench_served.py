@@ -18,7 +18,8 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
-prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process). Served rows use the
+prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process), ``--rounds`` times
+(default 2), every row once per round and the order reversed every other round, as batch 1 is. Served rows use the
 app's own thread settings (``verifier.num_threads`` 'auto' unless ``--served-threads N``,
 ``draft_pool.num_threads`` 1); the in-process rows run once per ``--threads`` count (default: 1 and all cores), so the served rows meet the better
 in-process baseline. Like the replicas (``deployments/replica_process.py``), this process's OpenMP threads
@@ -230,6 +231,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16, help="batch of the throughput rows (0: none)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of the throughput rows, every row once per round, the order reversed every "
+                             "other round")
     parser.add_argument("--placements", default="offload,compiled,colocated,local",
                         help="draft placements of the served speculative rows, comma-separated ('compiled' / "
                              "'actor': offload over the compiled-graph / actor-call transport)")
@@ -293,12 +297,20 @@ def main() -> int:
                                                        for r in rows), file=sys.stderr)
     batched = {}
     if args.batch > 1:
-        for row in rows:
-            tokens, seconds, texts = 0, 0.0, []
-            for start in range(0, len(prompts), args.batch):
-                t, n, s = run(row, prompts[start:start + args.batch])
-                texts, tokens, seconds = texts + t, tokens + n, seconds + s
-            batched[row] = {"tokens": tokens, "seconds": seconds, "texts": texts}
+        batched = {row: {"tokens": 0, "seconds": 0.0, "texts": []} for row in rows}
+        for r in range(args.rounds):  # interleaved like batch 1: a drift of the box's speed hits every row
+            for row in (rows if r % 2 == 0 else rows[::-1]):
+                rec = batched[row]
+                for start in range(0, len(prompts), args.batch):
+                    texts, tokens, seconds = run(row, prompts[start:start + args.batch])
+                    rec["tokens"] += tokens
+                    rec["seconds"] += seconds
+                    if r == 0:
+                        rec["texts"] += texts
+                    elif texts != rec["texts"][start:start + args.batch]:
+                        rec["texts"][start:start + args.batch] = [None] * len(texts)  # not reproducible
+            print(f"[batch {args.batch}, round {r + 1}/{args.rounds}] " + "  ".join(
+                f"{row}: {batched[row]['tokens'] / batched[row]['seconds']:.1f}" for row in rows), file=sys.stderr)
 
     memory = process_memory()
     mem_rows = memory_rows(args, urls, memory)
