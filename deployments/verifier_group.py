@@ -10,8 +10,9 @@ Contract:
   order for every rank (submission happens under one lock), and return rank 0's outcome. ``transport``
   says how: ``compiled``, one Ray Compiled Graph feeding every rank's ``call`` from one input (the
   router's ``router.transport`` 'compiled'), or ``actor``, one actor call per rank
-  (``deployments.channel_stages.WorkerLink`` either way; releases travel the same way, in order). The ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced)
-  releases the rows concerned on every rank, so that they are re-prefilled through ``resync``.
+  (``deployments.channel_stages.WorkerLink`` either way; releases travel the same way, in order). The
+  ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced) releases the
+  rows concerned on every rank, so that they are re-prefilled through ``resync``.
 - A rank that dies or hangs (``RayActorError`` / no answer within ``verify_timeout_s``) takes the whole
   group with it: the group is torn down and rebuilt as a unit (``rebuild``), then ``VerifierGroupError``
   is raised so that the caller retries. The rebuilt group holds no sequence, so the retried verify answers
@@ -222,7 +223,8 @@ class VerifierGroup:
                       max_slots=settings.max_slots, max_len=settings.max_len, acceptance=settings.acceptance,
                       limits=wire_limits(cfg), num_cpus=v.num_cpus, num_gpus=v.num_gpus, resources=v.resources,
                       accelerator_type=v.accelerator_type, placement_strategy=v.placement_strategy,
-                      omp_threads=v.num_threads, transport="compiled" if cfg.router.transport == "compiled" else "actor",
+                      omp_threads=v.num_threads,
+                      transport="compiled" if cfg.router.transport == "compiled" else "actor",
                       memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,
                                             "report": full.report()})
         kwargs.update(overrides)
