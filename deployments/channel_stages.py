@@ -57,7 +57,6 @@ log = logging.getLogger("specserve.channel_stages")
 TRANSPORTS = ("compiled", "actor")
 MAX_INFLIGHT = 8  # two micro-batches × (propose or verify) + unread releases, with room to spare
 MAX_UNREAD_RELEASES = 4
-RELEASE_READ_TIMEOUT_S = 30.0  # a release waits behind the calls queued ahead of it on its worker
 
 
 class WorkerLink:
@@ -89,16 +88,17 @@ class WorkerLink:
             self._releases.clear()
             return self._submit(frame)
 
-    def release(self, frame: bytes) -> None:
+    def release(self, frame: bytes, timeout_s: float) -> None:
         """Sent at once, ordered with the stage calls. A link that gets releases and no calls (a draft worker
         no shard maps to) would run out of the graph's in-flight executions, so past ``MAX_UNREAD_RELEASES``
-        the oldest reply is read, waiting at most for the calls queued ahead of it."""
+        the oldest reply is read, waiting for the calls queued ahead of it up to ``timeout_s`` (the stage's
+        call timeout: a worker that does not answer within it is as gone as for a stage call)."""
         with self._lock:
             self._releases.append(self._submit(frame))
             while len(self._releases) > MAX_UNREAD_RELEASES:
                 oldest = self._releases.popleft()
                 for reply in oldest if isinstance(oldest, list) else [oldest]:
-                    reply.get(timeout=RELEASE_READ_TIMEOUT_S)
+                    reply.get(timeout=timeout_s)
 
     def _submit(self, frame: bytes):
         if self.graph is not None:
@@ -299,11 +299,12 @@ class ChannelStages(StageFallbacks):
         """Fire-and-forget on every worker that may hold the sequences: a lost release only leaves a slot
         to the worker's LRU eviction."""
         frame = OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
-        for link in self.drafts.all() + self.verifiers.all():
-            try:
-                link.release(frame)
-            except Exception as exc:
-                log.warning("release on %s failed: %s", link.key, exc)
+        for members, timeout_s in ((self.drafts, self.draft_timeout_s), (self.verifiers, self.verify_timeout_s)):
+            for link in members.all():
+                try:
+                    link.release(frame, timeout_s)
+                except Exception as exc:  # a dead or hung worker: dropped, as a failed stage call drops it
+                    members.drop(link, f"release: {type(exc).__name__}: {exc}")
         if self.fallback is not None and not (self.drafts.all() and self.verifiers.all()):
             self.fallback.release(seq_ids, shard)
 

@@ -340,7 +340,7 @@ class VerifierGroup:
         with self._lock:
             if self._link is not None:
                 try:
-                    self._link.release(frame)
+                    self._link.release(frame, self.verify_timeout_s)
                 except Exception as exc:  # a lost release only leaves the slots to the ranks' LRU eviction
                     log.warning("verifier group release: %s", exc)
 

@@ -1,7 +1,7 @@
 """The compiled step loop (``deployments.channel_stages``) over stage-worker actors, without Serve.
 
 Greedy outputs through compiled channels and through direct actor calls equal the in-process engine's,
-with two micro-batches in flight and two draft workers; a draft worker killed mid-run turns its steps
+with two micro-batches in flight and three draft workers (one that no micro-batch maps to); a draft worker killed mid-run turns its steps
 into target-only steps and leaves membership; a verifier worker killed between steps costs re-prefills
 on its replacement; a draft worker added under load joins. No request is lost or truncated in any case.
 """
@@ -87,12 +87,20 @@ def _run(engine, requests, on_step=None) -> list[list[int]]:
 
 @pytest.mark.parametrize("transport", ["compiled", "actor"])
 def test_outputs_equal_the_in_process_engine(parts, transport):
+    """Three draft workers for two micro-batches: the third drafts nothing and still gets every release.
+    A second batch whose rows finish at different steps sends it more releases than a compiled graph holds
+    in flight, unless the link reads them (``WorkerLink.release``)."""
+    import dataclasses
+
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, transport)
+    engine, stages, drafts, verifier = _engine(settings, limits, transport, n_drafts=3)
     try:
         assert _run(engine, requests) == expected
+        staggered = [dataclasses.replace(r, max_tokens=4 * (i + 1)) for i, r in enumerate(requests)]
+        assert _run(engine, staggered) == [e[:4 * (i + 1)] for i, e in enumerate(expected)]
         assert stages.fallbacks == 0
         assert any(stage == "draft" for stage, _, _ in stages.timings.drain())  # it drafted remotely
+        assert len(stages.drafts.all()) == 3 and stages.drafts.rebuilds == 1  # none dropped
     finally:
         _close(stages)
 
