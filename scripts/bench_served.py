@@ -19,8 +19,8 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
 prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process), ``--rounds`` times
-(default 2), every row once per round and the order reversed every other round, as batch 1 is. Served rows use the
-app's own thread settings (``verifier.num_threads`` 'auto' unless ``--served-threads N``,
+(default 2), every row once per round and the order reversed every other round, as batch 1 is. Served
+rows use the app's own thread settings (``verifier.num_threads`` 'auto' unless ``--served-threads N``,
 ``draft_pool.num_threads`` 1); the in-process rows run once per ``--threads`` count (default: 1 and all cores), so the served rows meet the better
 in-process baseline. Like the replicas (``deployments/replica_process.py``), this process's OpenMP threads
 wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): spinning, two threads collapse whenever another

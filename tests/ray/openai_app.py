@@ -11,12 +11,12 @@ with ``deploy_app``.
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from dataclasses import dataclass
 
 import httpx
 
+from deployments.loadgen import free_port
 from tests.fixtures_tokenizer import tiny_pair
 from tests.ray.conftest import deploy
 
@@ -39,12 +39,6 @@ class App:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @functools.lru_cache(maxsize=None)
 def http_port() -> int:
     from ray import serve
@@ -52,7 +46,7 @@ def http_port() -> int:
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
-        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         client = _get_global_client()
     return int(client.http_config.port)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 import yaml
 
 from cluster import dashboards, metrics as m
+from deployments.loadgen import free_port
 from runtime.gpu_metrics import NvmlReader
 from tests.ray.conftest import delete_app, deploy
 from tests.ray.openai_app import app_args
@@ -44,12 +44,6 @@ MAY_BE_EMPTY = {  # metric → why it can rightly have no samples after healthy 
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metric_of(expr: str) -> set[str]:
     """The specserve metrics an expression reads."""
     return {name for name in m.METRICS if dashboards.EXPORT_PREFIX + name + "_" in expr
@@ -65,7 +59,7 @@ def prometheus(ray_cluster, tmp_path_factory):
               "rule_files": [str(RULES)],
               "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=(tmp / "log").open("w"),
                             stderr=subprocess.STDOUT)
