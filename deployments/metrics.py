@@ -171,10 +171,10 @@ class RequestClock:
         self.m, self.started = m, started
         self.last: float | None = None  # time of the previous delivery
 
-    def delivered(self, tokens: int) -> None:
+    def delivered(self, tokens: int, now: float) -> None:
+        """``tokens`` produced at ``now`` (``time.monotonic``)."""
         if tokens <= 0:
             return
-        now = time.monotonic()
         if self.last is None:
             self.m[names.TTFT].observe(now - self.started)
         else:

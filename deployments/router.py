@@ -109,7 +109,7 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------------
 
-    def _admit(self, req: GenerateRequest) -> tuple[int, Live, list[str], Request]:
+    def _admit(self, req: GenerateRequest, *, stream: bool) -> tuple[int, Live, list[str], Request]:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest("expected a GenerateRequest", None)
         req.validate(vocab_size=self.limits.vocab_size, has_tokenizer=self.tokenizer is not None)
@@ -137,7 +137,7 @@ class Router:
             seed=req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little"))
         request = Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
                           ignore_eos=req.ignore_eos)
-        admitted = self.service.submit(request)
+        admitted = self.service.submit(request, stream=stream)
         if admitted is None:
             raise Overloaded(f"{len(self.service.live)} requests in flight (limit {self.service.capacity}); "
                              "retry later", retry_after_s=1.0)
@@ -162,8 +162,8 @@ class Router:
         clock = self.metrics.request_clock(live.started)
         try:
             async with contextlib.aclosing(self.service.events(seq_id, live)) as events:
-                async for ev, output in events:
-                    clock.delivered(len(ev.new_tokens))
+                async for ev, output, produced in events:
+                    clock.delivered(len(ev.new_tokens), produced)
                     if ev.finish_reason == "error":
                         self.metrics.request_done("error")
                         clock.finished("error")
@@ -185,7 +185,7 @@ class Router:
     # -- the handle API -----------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        seq_id, live, stop, request = self._admit(req)
+        seq_id, live, stop, request = self._admit(req, stream=False)
         tokens: list[int] = []
         output: Output | None = None
         async for ev, out in self._events(seq_id, live, request):
@@ -199,7 +199,7 @@ class Router:
                                 stats=output.stats.as_dict())
 
     async def generate_stream(self, req: GenerateRequest):
-        seq_id, live, stop, request = self._admit(req)
+        seq_id, live, stop, request = self._admit(req, stream=True)
         stream = TextStream(self.tokenizer, stop)
         async for ev, out in self._events(seq_id, live, request):
             final = ev.finish_reason is not None

@@ -1,6 +1,8 @@
 """``engine.service.EngineService``: the router's step thread, live requests and event delivery, without Ray.
 
 - Events delivered to an asyncio caller carry the tokens the same engine decodes in-process.
+- A step wakes each event loop once, for all its requests; a request that is not streamed gets all its
+  events with its last one, each with the time it was produced.
 - Admission stops at ``capacity`` live requests; a finished request frees its place.
 - A caller that goes away, or a request past its deadline, is cancelled in the engine (KV slots freed).
 - A step that raises fails the running requests with an ``error`` event and the loop keeps serving.
@@ -13,14 +15,16 @@ import asyncio
 
 import pytest
 
-from engine.engine import Request
-from engine.service import EngineService, StepProfile, TextStream
+import time
+
+from engine.engine import Request, StepEvent
+from engine.service import EngineService, Live, StepProfile, TextStream
 from tests.fixtures_tokenizer import tokenizer
 from tests.unit.helpers import MAX_NEW, make_engine, make_prompts, target_runner
 
 
 async def _collect(service: EngineService, admitted) -> list:
-    return [ev async for ev, _ in service.events(*admitted)]
+    return [ev async for ev, *_ in service.events(*admitted)]
 
 
 def _service(engine, **kw) -> EngineService:
@@ -45,6 +49,52 @@ def test_events_carry_what_the_engine_decodes(target, noisy_draft):
         assert tuple(t for ev in events for t in ev.new_tokens) == tuple(want)
         assert events[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in events[:-1])
     assert not service.live and service.cancelled_total == 0
+
+
+def test_a_request_not_streamed_gets_its_events_with_its_last(target, noisy_draft):
+    prompt = make_prompts(8, n=2)[1]
+    want = make_engine(target, noisy_draft).generate([Request(prompt, max_tokens=MAX_NEW)])[0].tokens
+    service = _service(make_engine(target, noisy_draft))
+
+    async def run():
+        seq_id, live = service.submit(Request(prompt, max_tokens=MAX_NEW), stream=False)
+        return [(ev, output, produced, time.monotonic()) async for ev, output, produced in service.events(seq_id, live)]
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        service.stop()
+    assert tuple(t for ev, *_ in got for t in ev.new_tokens) == tuple(want)
+    assert [output is not None for _, output, _, _ in got] == [False] * (len(got) - 1) + [True]
+    produced = [at for _, _, at, _ in got]
+    assert len(got) > 1 and produced == sorted(produced)
+    assert produced[0] < produced[-1]  # each event keeps the time of its own step, not of the hand-over
+    assert min(seen for *_, seen in got) >= produced[-1]  # none reached the caller before the last was produced
+
+
+class _Loop:
+    """Stands in for an event loop: records what the step thread hands over."""
+
+    def __init__(self):
+        self.handovers = []
+
+    def call_soon_threadsafe(self, callback, items):
+        self.handovers.append(items)
+
+
+def test_a_step_wakes_each_event_loop_once(target):
+    service = _service(make_engine(target, "same"))
+    service.stop()
+    loop_a, loop_b = _Loop(), _Loop()
+    service.live = {1: Live(loop_a, "queue 1", 3), 2: Live(loop_a, "queue 2", 3, stream=False),
+                    3: Live(loop_a, "queue 3", 3), 4: Live(loop_b, "queue 4", 3)}
+    service._deliver([StepEvent(i, (i,), None) for i in (1, 2, 3, 4)])
+    assert [[(q, [ev.seq_id for ev, _ in d]) for q, d, _ in items] for items in loop_a.handovers] == \
+        [[("queue 1", [1]), ("queue 3", [3])]]
+    assert len(loop_b.handovers) == 1
+    service._deliver([StepEvent(2, (5,), "cancelled")])
+    assert [(q, [(ev.new_tokens, ev.finish_reason) for ev, _ in d]) for q, d, _ in loop_a.handovers[1]] == \
+        [("queue 2", [((2,), None), ((5,), "cancelled")])]
 
 
 def test_capacity_and_release(target):
