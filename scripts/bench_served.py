@@ -13,8 +13,9 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
   same over direct actor calls to those workers; ``colocated`` =
   the draft inside the verifier replica; ``local`` = ``router.stages: local``, both models inside the
   router replica, no Serve call per step);
-- served plain: the same app with ``draft.kind: none``, with remote stages (handles and, with
-  ``compiled``, compiled channels) and with local ones.
+- served plain: the same app with ``draft.kind: none``, once for each kind of layout asked for: remote
+  stages over handles (for a placement with handles), over compiled channels or actor calls (for
+  ``compiled`` / ``actor``), and local stages (for ``local``).
 
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
@@ -153,7 +154,10 @@ def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
     for p in args.placements:
         layout = {"local": ("local", "local", "handles"), **{t: ("offload", "remote", t) for t in TRANSPORTS}}
         rows[f"served speculative ({p})"] = layout.get(p, (p, "remote", "handles"))
-    rows["served plain (remote)"] = (None, "remote", "handles")
+    # A plain row per layout asked for: an idle app beside the others is not free (its router probes its
+    # stages every router.probe_interval_s), so one no row needs would slow the rows being compared.
+    if any(p not in ("local", *TRANSPORTS) for p in args.placements):
+        rows["served plain (remote)"] = (None, "remote", "handles")
     for t in TRANSPORTS:
         if t in args.placements:
             rows[f"served plain ({t})"] = (None, "remote", t)
