@@ -25,6 +25,14 @@ MAX_MODEL_LEN = 256
 MAX_BODY = 64 * 1024
 
 
+def malformed_frames() -> tuple[bytes, ...]:
+    """Stage frames no router sends: not msgpack, a map of the wrong shape, a reserved byte, one byte over
+    the size cap."""
+    from runtime import wire
+
+    return b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1)
+
+
 @dataclass(frozen=True)
 class App:
     name: str

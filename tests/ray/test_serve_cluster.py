@@ -1,4 +1,6 @@
-"""The Serve application on CPU, driven through the typed handle API (issue 3's acceptance 1-3).
+"""The Serve application on CPU, driven through the typed handle API (issue 3's acceptance 1-3), with a
+tensor-parallel verifier group over Serve handles and over compiled channels (a single-process verifier's
+share: tests/ray/test_reliability_faults.py, test_openai_api.py and this module's redeploy).
 
 Tiny models built from config (``builtin:tiny``): no files, no downloads. The reference is the target
 alone, greedy, one prompt at a time, with Hugging Face ``generate``.
@@ -14,6 +16,7 @@ import time
 import pytest
 
 from tests.ray.conftest import delete_app, deploy, random_prompts, tiny_greedy
+from tests.ray.openai_app import malformed_frames
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -39,8 +42,10 @@ def references(prompts):
     return tiny_greedy(prompts, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=[(1, "handles"), (2, "handles"), (2, "compiled")],
-                ids=["tp1", "tp2", "compiled-tp2"])
+# A single-process verifier over handles runs in tests/ray/test_reliability_faults.py (exact outputs, the
+# draft and the verifier replica killed under load, malformed frames) and test_openai_api.py, and over
+# compiled channels in this module's last test (the redeploy swaps the group for it).
+@pytest.fixture(scope="module", params=[(2, "handles"), (2, "compiled")], ids=["tp2", "compiled-tp2"])
 def variant(request):
     return request.param
 
@@ -57,8 +62,8 @@ def transport(variant):
 
 @pytest.fixture(scope="module")
 def router(ray_cluster, tp, transport):
-    """The app with a single-process verifier, then with a tensor-parallel (TP = 2, gloo) verifier group,
-    both over Serve handles; then with the TP = 2 group and every step's frames over compiled-graph channels
+    """The app with a tensor-parallel (TP = 2, gloo) verifier group over Serve handles; then with the TP = 2
+    group and every step's frames over compiled-graph channels
     to the stage replicas' workers (docs/transport.md; the verifier's worker drives the group's ranks),
     drafting two candidates per step (``speculation.draft_num``): a micro-batch's two branches go to the two
     draft workers."""
@@ -244,7 +249,7 @@ def test_malformed_frames_get_typed_errors_and_replicas_keep_serving(router, pro
     for name in ("DraftPool", "Verifier"):
         handle = serve.get_deployment_handle(name, app_name=APP)
         method = handle.propose if name == "DraftPool" else handle.verify
-        for frame in (b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1)):
+        for frame in malformed_frames():
             with pytest.raises(wire.WireError):
                 method.remote(frame).result()
     # Everyone still serves, and correctly.
@@ -272,11 +277,9 @@ def test_health_reports_progress(router):
     assert router.health.remote().result()["seconds_since_progress"] < 5 + (time.monotonic() - t0)
 
 
-def test_killing_a_verifier_rank_ends_every_request_cleanly(router, tp, prompts, references):
+def test_killing_a_verifier_rank_ends_every_request_cleanly(router, prompts, references):
     """TP = 2: kill one rank during 20 streaming requests. Each request ends, within a bound, with its full
     reference output or an explicit error; the group is rebuilt and later requests succeed."""
-    if tp == 1:
-        pytest.skip("needs a tensor-parallel group")
     from ray import serve
 
     async def rank_pid():
