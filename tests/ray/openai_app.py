@@ -5,7 +5,8 @@ session, so ``http_port()`` starts Serve on 127.0.0.1 at a free port (or, when s
 already, reads the port it got). ``main_app()`` deploys the app built from ``tests.fixtures_tokenizer``'s
 tiny pair once per session under ``/oa`` (the last module that uses it, ``test_openai_errors``, deletes
 it; a later caller gets it redeployed); test modules that need other router limits deploy their own app
-with ``deploy_app``.
+with ``deploy_app``. ``assert_stages_refuse_malformed_frames`` is the one malformed-frame check of the
+cluster and reliability suites.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from deployments.loadgen import free_port
 from tests.fixtures_tokenizer import tiny_pair
@@ -25,12 +27,19 @@ MAX_MODEL_LEN = 256
 MAX_BODY = 64 * 1024
 
 
-def malformed_frames() -> tuple[bytes, ...]:
-    """Stage frames no router sends: not msgpack, a map of the wrong shape, a reserved byte, one byte over
-    the size cap."""
+def assert_stages_refuse_malformed_frames(app_name: str) -> None:
+    """Stage frames no router sends (not msgpack, a map of the wrong shape, a reserved byte, one byte over the
+    size cap), straight to the app's draft pool and verifier: each is refused with ``WireError``."""
+    from ray import serve
+
     from runtime import wire
 
-    return b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1)
+    frames = (b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1))
+    for name, method in (("DraftPool", "propose"), ("Verifier", "verify")):
+        call = getattr(serve.get_deployment_handle(name, app_name=app_name), method)
+        for frame in frames:
+            with pytest.raises(wire.WireError):
+                call.remote(frame).result()
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from deployments.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, replica_pid, request,
                                  steady)
-from tests.ray.openai_app import delete_app, deploy_app, malformed_frames
+from tests.ray.openai_app import assert_stages_refuse_malformed_frames, delete_app, deploy_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -153,15 +153,7 @@ def test_clients_that_hang_up_free_their_kv_slots(target, prompts):
 def test_malformed_frames_get_typed_errors_and_the_app_keeps_serving(app, target, prompts, references):
     """Frames no router sends, straight to the draft pool and to a single-process verifier (the cluster suite
     sends them to a TP = 2 group): each is refused with ``WireError``, and every output stays right."""
-    from ray import serve
-
-    from runtime import wire
-
-    for name, method in (("DraftPool", "propose"), ("Verifier", "verify")):
-        call = getattr(serve.get_deployment_handle(name, app_name=app.name), method)
-        for frame in malformed_frames():
-            with pytest.raises(wire.WireError):
-                call.remote(frame).result()
+    assert_stages_refuse_malformed_frames(app.name)
     results = asyncio.run(burst(target, [_body(p) for p in prompts[:8]]))
     assert [r.kind for r in results] == ["ok"] * 8 and not _mismatched(results, [r[:MAX_TOKENS] for r in references])
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.ray.conftest import delete_app, deploy, random_prompts, tiny_greedy
-from tests.ray.openai_app import malformed_frames
+from tests.ray.openai_app import assert_stages_refuse_malformed_frames
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -242,16 +242,7 @@ def test_killing_the_verifier_worker_ends_every_request_cleanly(router, transpor
 
 
 def test_malformed_frames_get_typed_errors_and_replicas_keep_serving(router, prompts, references):
-    from ray import serve
-
-    from runtime import wire
-
-    for name in ("DraftPool", "Verifier"):
-        handle = serve.get_deployment_handle(name, app_name=APP)
-        method = handle.propose if name == "DraftPool" else handle.verify
-        for frame in malformed_frames():
-            with pytest.raises(wire.WireError):
-                method.remote(frame).result()
+    assert_stages_refuse_malformed_frames(APP)
     # Everyone still serves, and correctly.
     assert router.generate.remote(_request(prompts[1])).result().token_ids == references[1]
 
