@@ -7,7 +7,8 @@ dashboard is off (it costs ~1 GiB), and the logical CPU count is raised so that 
 replicas fit on this 2-core box.
 
 test_sockets.py runs first: its own launch then finds Ray's fixed dashboard-agent port free, which the
-session cluster would otherwise hold.
+session cluster would otherwise hold. The modules that share ``openai_app.main_app()`` run last, one after
+another: the app is deployed once (~25 s here) and no other module's timings share the box with it.
 """
 
 from __future__ import annotations
@@ -26,15 +27,21 @@ ray = pytest.importorskip("ray")
 from deployments.loopback import init_local_ray  # noqa: E402
 
 
+MAIN_APP_MODULES = ("test_openai_api.py", "test_openai_errors.py", "test_reliability_http.py")
+
+
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name != "test_sockets.py")  # stable: the others keep their order
+    # stable: the others keep their order
+    items.sort(key=lambda item: (item.path.name != "test_sockets.py", item.path.name in MAIN_APP_MODULES))
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     if not ray.is_initialized():
+        # Metrics every 2 s instead of Ray's 10: test_prometheus waits for two exports of its traffic.
         init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+                       _system_config={"metrics_report_interval_ms": 2000})
     yield ray
     from ray import serve
 

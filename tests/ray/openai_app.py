@@ -3,9 +3,9 @@
 Serve's HTTP options are cluster-wide and fixed by the first ``serve.start``/``serve.run`` of the
 session, so ``http_port()`` starts Serve on 127.0.0.1 at a free port (or, when something started it
 already, reads the port it got). ``main_app()`` deploys the app built from ``tests.fixtures_tokenizer``'s
-tiny pair once per session under ``/oa`` (the last module that uses it, ``test_openai_errors``, deletes
-it; a later caller gets it redeployed); test modules that need other router limits deploy their own app
-with ``deploy_app``. ``assert_stages_refuse_malformed_frames`` is the one malformed-frame check of the
+tiny pair once per session under ``/oa``; the modules that use it run last and one after another
+(``tests/ray/conftest.py``), so it is deployed once and ends with the session. Test modules that need other
+router limits deploy their own app with ``deploy_app``. ``assert_stages_refuse_malformed_frames`` is the one malformed-frame check of the
 cluster and reliability suites.
 """
 
@@ -25,6 +25,10 @@ from tests.ray.conftest import deploy
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 256
 MAX_BODY = 64 * 1024
+# The main app's router capacity is the default config's (32 running + 128 queued); its body limits are
+# short enough for test_reliability_http to see stalled bodies time out and overflow.
+MAIN_MAX_RUNNING, MAIN_MAX_QUEUE = 32, 128
+BODY_TIMEOUT_S, MAX_PENDING_BODIES = 6.0, 310
 
 
 def assert_stages_refuse_malformed_frames(app_name: str) -> None:
@@ -116,8 +120,8 @@ _apps: dict[str, App] = {}
 
 
 def main_app() -> App:
-    """The shared app: tiny pair with tokenizer, generous limits, no API key. Deployed once per session
-    (redeployed if another module shut Serve down or deleted it)."""
+    """The shared app: tiny pair with tokenizer, the default router capacity, no API key. Deployed once per
+    session (redeployed if another module shut Serve down or deleted it)."""
     from ray import serve
 
     from ray.serve.schema import ApplicationStatus
@@ -132,7 +136,9 @@ def main_app() -> App:
             raise TimeoutError(f"app 'openai' stuck: {serve.status().applications['openai']}")
         time.sleep(0.5)
     http_port.cache_clear()
-    app = _apps["openai"] = deploy_app("openai", "/oa", app_args())
+    args = app_args(max_running=MAIN_MAX_RUNNING, max_queue=MAIN_MAX_QUEUE,
+                    http={"body_timeout_s": BODY_TIMEOUT_S, "max_pending_bodies": MAX_PENDING_BODIES})
+    app = _apps["openai"] = deploy_app("openai", "/oa", args)
     return app
 
 

@@ -98,7 +98,7 @@ def main() -> int:
     from ray._private import state
     from ray.cluster_utils import Cluster
 
-    out: dict = {"tp": tps}
+    out: dict = {"tp": tps, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})

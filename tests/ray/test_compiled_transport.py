@@ -9,6 +9,7 @@ on its replacement; a draft worker added under load joins. No request is lost or
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -39,39 +40,80 @@ def parts(ray_cluster):
     return settings, wire_limits(cfg), requests, expected
 
 
-def _workers(settings, limits, n_drafts: int):
-    from deployments.stage_workers import start_worker
-    from engine.assembly import make_proposer, make_verify_stage
+class WorkerPool:
+    """Stage workers the module's tests share: each start is a process that imports torch and builds its
+    model (~8 s of CPU here), and the five tests would otherwise start eighteen. A test takes the workers it
+    needs (missing ones are started); one it kills leaves the pool. Each test's engine numbers its sequences
+    from a block of its own (``random_first_seq_id``), so no test's sync can meet another's cache."""
 
-    drafts = {f"draft-{i}": start_worker(functools.partial(make_proposer, settings), limits) for i in range(n_drafts)}
-    verifier = start_worker(functools.partial(make_verify_stage, settings), limits)
-    return drafts, verifier
+    def __init__(self, settings, limits):
+        self.settings, self.limits = settings, limits
+        self.drafts: list = []
+        self.verifiers: list = []
+
+    def start_draft(self):
+        from deployments.stage_workers import start_worker
+        from engine.assembly import make_proposer
+
+        return start_worker(functools.partial(make_proposer, self.settings), self.limits)
+
+    def start_verifier(self):
+        from deployments.stage_workers import start_worker
+        from engine.assembly import make_verify_stage
+
+        return start_worker(functools.partial(make_verify_stage, self.settings), self.limits)
+
+    def take(self, n_drafts: int):
+        self.drafts += [self.start_draft() for _ in range(n_drafts - len(self.drafts))]
+        if not self.verifiers:
+            self.verifiers.append(self.start_verifier())
+        return {f"draft-{i}": w for i, w in enumerate(self.drafts[:n_drafts])}, self.verifiers[0]
+
+    def killed(self, worker) -> None:
+        import ray
+
+        ray.kill(worker)
+        for members in (self.drafts, self.verifiers):
+            if worker in members:
+                members.remove(worker)
+
+    def close(self) -> None:
+        import ray
+
+        for worker in self.drafts + self.verifiers:
+            ray.kill(worker)
 
 
-def _engine(settings, limits, transport: str, n_drafts: int = 2):
+@pytest.fixture(scope="module")
+def pool(parts):
+    settings, limits, _, _ = parts
+    pool = WorkerPool(settings, limits)
+    yield pool
+    pool.close()
+
+
+def _engine(settings, limits, pool: WorkerPool, transport: str, n_drafts: int = 2):
     from deployments.channel_stages import ChannelStages
     from engine.assembly import make_engine
+    from engine.engine import random_first_seq_id
 
-    drafts, verifier = _workers(settings, limits, n_drafts)
+    drafts, verifier = pool.take(n_drafts)
     # Generous: on the shared 2-core box a loaded step can take seconds, and a timed-out draft would be a
     # (correct) target-only step that the equality test would count as a fallback.
     stages = ChannelStages(limits, transport=transport, draft_timeout_s=120.0, verify_timeout_s=120.0)
     stages.set_draft_workers(drafts)
     stages.set_verifier_workers({"verifier-0": verifier})
-    engine = make_engine(settings, stages=stages)
+    engine = make_engine(settings, stages=stages, first_seq_id=random_first_seq_id())
     assert engine.micro_batches == 2
     return engine, stages, drafts, verifier
 
 
 def _close(stages) -> None:
-    """Tear the graphs down and end the members' workers: the driver owns them, so they would live (each
-    holding its models) until the session's end."""
-    import ray
-
-    workers = [link.worker for link in stages.drafts.all() + stages.verifiers.all()]
+    """Tear the graphs down and wait for it: the pool's next test compiles new graphs on the same workers."""
     stages.close()
-    for worker in workers:
-        ray.kill(worker)
+    for thread in threading.enumerate():
+        if thread.name.startswith("specserve-teardown-"):
+            thread.join(timeout=60)
 
 
 def _run(engine, requests, on_step=None) -> list[list[int]]:
@@ -86,14 +128,14 @@ def _run(engine, requests, on_step=None) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("transport", ["compiled", "actor"])
-def test_outputs_equal_the_in_process_engine(parts, transport):
+def test_outputs_equal_the_in_process_engine(parts, pool, transport):
     """Three draft workers for two micro-batches: the third drafts nothing and still gets every release.
     A second batch whose rows finish at different steps sends it more releases than a compiled graph holds
     in flight, unless the link reads them (``WorkerLink.release``)."""
     import dataclasses
 
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, transport, n_drafts=3)
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, transport, n_drafts=3)
     try:
         assert _run(engine, requests) == expected
         staggered = [dataclasses.replace(r, max_tokens=4 * (i + 1)) for i, r in enumerate(requests)]
@@ -105,16 +147,14 @@ def test_outputs_equal_the_in_process_engine(parts, transport):
         _close(stages)
 
 
-def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts):
-    import ray
-
+def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, "compiled")
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled")
     victim = drafts["draft-0"]
 
     def kill(step):
         if step == 3:
-            ray.kill(victim)
+            pool.killed(victim)
 
     try:
         assert _run(engine, requests, kill) == expected
@@ -124,21 +164,17 @@ def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts):
         _close(stages)
 
 
-def test_dead_verifier_worker_resyncs_on_its_replacement(parts):
-    import ray
-
-    from deployments.stage_workers import start_worker
-    from engine.assembly import make_verify_stage
-
+def test_dead_verifier_worker_resyncs_on_its_replacement(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, "compiled")
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled")
 
     def replace(step):
         if step == 4:
-            ray.kill(verifier)
+            pool.killed(verifier)
             engine.step()  # the step that finds it dead: its rows are marked for re-prefill
-            stages.set_verifier_workers(
-                {"verifier-1": start_worker(functools.partial(make_verify_stage, settings), limits)})
+            replacement = pool.start_verifier()
+            pool.verifiers.append(replacement)
+            stages.set_verifier_workers({"verifier-1": replacement})
 
     try:
         assert _run(engine, requests, replace) == expected
@@ -147,17 +183,14 @@ def test_dead_verifier_worker_resyncs_on_its_replacement(parts):
         _close(stages)
 
 
-def test_draft_worker_added_under_load_joins(parts):
-    from deployments.stage_workers import start_worker
-    from engine.assembly import make_proposer
-
+def test_draft_worker_added_under_load_joins(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, "compiled", n_drafts=1)
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled", n_drafts=1)
+    spare = pool.take(2)[0]["draft-1"]  # a worker of the pool that the engine's graphs do not reach yet
 
     def grow(step):
         if step == 3:
-            stages.set_draft_workers(
-                {**drafts, "draft-new": start_worker(functools.partial(make_proposer, settings), limits)})
+            stages.set_draft_workers({**drafts, "draft-new": spare})
 
     try:
         assert _run(engine, requests, grow) == expected

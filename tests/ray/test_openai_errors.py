@@ -150,8 +150,7 @@ BAD_RAW = [
 
 @pytest.fixture(scope="module")
 def app(ray_cluster):
-    yield main_app()
-    delete_app("openai")  # the last module that uses it (alphabetically): free its replicas
+    return main_app()
 
 
 def _error(r: httpx.Response) -> dict:

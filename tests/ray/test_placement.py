@@ -1,11 +1,13 @@
 """Placement on Ray: the resource requests ``cluster.placement`` documents are the ones the app makes, and
-on a simulated multi-node cluster draft replicas land only on draft nodes, verifier replicas and
-tensor-parallel rank actors only on target nodes, and a request is served through the handle API.
+on a simulated multi-node cluster draft replicas land only on draft nodes, tensor-parallel rank actors only
+on target nodes, and a request is served through the handle API.
 
 The multi-node cluster (``ray.cluster_utils.Cluster``) cannot coexist with the suite's session cluster in
 one driver process, so it runs in a subprocess (tests/ray/placement_scenario.py) that prints JSON. It starts
-three raylets and two apps (TP 1 and TP 2: 12 worker processes that import torch); it uses ~50 s of CPU,
-and took 230-390 s of wall time on the shared 2-core box at load averages of 15-36.
+three raylets and one app with a TP = 2 verifier; ~70 s of wall time on the 2-core box. The scenario can
+also deploy a TP = 1 app (``--tp 1,2``: its verifier replicas land on the target node too); the suite leaves
+it out because the resource requests that put it there are the ones checked above, and serving through a
+TP = 1 verifier is what most other Ray tests do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.placement import requests, resource_bundle
+from tests.ray.conftest import tiny_greedy
 
 pytestmark = pytest.mark.ray
 
@@ -77,7 +80,7 @@ def _run_scenario(budget_s: float) -> tuple[int, str, str]:
     shutdown) kill the whole group, so that no raylet or agent of the simulated cluster outlives it."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(SCENARIO), "--tp", "1,2", "--budget", str(budget_s)],
+    proc = subprocess.Popen([sys.executable, str(SCENARIO), "--tp", "2", "--budget", str(budget_s)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -109,16 +112,15 @@ def test_multi_node_placement_and_a_served_request() -> None:
         elif cls == "VerifierRankActor":
             where.setdefault("rank", set()).add(actor["node"])
 
-    # draft replicas only on the draft node, in both apps
-    assert where["placement-tp1/DraftPool"] == where["placement-tp2/DraftPool"] == {"draft"}, where
-    # TP 1: the Verifier replicas hold the target, so they are pinned to the target node
-    assert where["placement-tp1/Verifier"] == {"target"}, where
-    # TP 2: the rank actors hold the target shards; the coordinating replica reserves only CPU (app.py)
+    # draft replicas only on the draft node
+    assert where["placement-tp2/DraftPool"] == {"draft"}, where
+    # the rank actors hold the target shards; the coordinating replica reserves only CPU (app.py)
     assert where["rank"] == {"target"}, where
     assert len([a for a in out["actors"] if a["class"] == "VerifierRankActor"]) == 2
     # nothing that needs a role resource ran on the head
     assert all("head" not in nodes for key, nodes in where.items() if "DraftPool" in key or key == "rank")
 
-    # served through the handle API; greedy, so TP 1 and TP 2 agree token for token
-    assert len(out["tokens"]["1"]) == 8 and out["tokens"]["1"] == out["tokens"]["2"], out["tokens"]
+    # served through the handle API; greedy, so token for token what the target alone decodes
+    (reference,) = tiny_greedy([out["prompt"]], out["max_tokens"])
+    assert out["tokens"]["2"] == reference, (out["tokens"], reference)
     print(f"placement scenario: cluster {out['cluster_s']} s, deployed {out['deploy_s']} s, total {out['total_s']} s")

@@ -29,23 +29,18 @@ import pytest
 from deployments.ingress import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_body
 from deployments.loadgen import Result, Target, request
 from tests.fixtures_tokenizer import prompts, reference
-from tests.ray.openai_app import MODEL, App, app_args, delete_app, deploy_app
+from tests.ray.openai_app import BODY_TIMEOUT_S, MAIN_MAX_QUEUE, MAIN_MAX_RUNNING, MAX_PENDING_BODIES, MODEL, App, \
+    main_app
 
 pytestmark = pytest.mark.ray
 
-MAX_RUNNING, MAX_QUEUE = 32, 128  # the default config's router capacity
-BODY_TIMEOUT_S = 6.0
-STALLED, MAX_PENDING = 300, 310
+STALLED = 300
 FUZZ_SEED, FUZZ_BODIES = 20240611, 1200
 
 
 @pytest.fixture(scope="module")
 def app(ray_cluster):
-    args = app_args(max_running=MAX_RUNNING, max_queue=MAX_QUEUE,
-                    http={"body_timeout_s": BODY_TIMEOUT_S, "max_pending_bodies": MAX_PENDING})
-    app = deploy_app("reliability-http", "/rel", args)
-    yield app
-    delete_app(app.name)
+    return main_app()
 
 
 def _completion(prompt: str, max_tokens: int) -> dict:
@@ -135,10 +130,10 @@ async def _stalled_bodies(target: Target) -> None:
         for res in refused:
             assert res.status == 503 and _openai_error(res)["code"] == "overloaded", res.body[:300]
         held = STALLED - len(refused)
-        assert held >= MAX_RUNNING + MAX_QUEUE, len(refused)
+        assert held >= MAIN_MAX_RUNNING + MAIN_MAX_QUEUE, len(refused)
 
         # Past max_pending_bodies a new stalled request is refused at once, in OpenAI's shape.
-        for _ in range(MAX_PENDING - held + 5):
+        for _ in range(MAX_PENDING_BODIES - held + 5):
             stalled.append(await _Stalled.open(target, body))
         t0 = time.monotonic()
         res = await asyncio.wait_for(stalled[-1].answer, 5)
