@@ -52,21 +52,26 @@ class WorkerPool:
         self.verifiers: list = []
 
     def start_draft(self):
+        """A new draft worker, in the pool."""
         from deployments.stage_workers import start_worker
         from engine.assembly import make_proposer
 
-        return start_worker(functools.partial(make_proposer, self.settings), self.limits)
+        self.drafts.append(start_worker(functools.partial(make_proposer, self.settings), self.limits))
+        return self.drafts[-1]
 
     def start_verifier(self):
+        """A new verifier worker, in the pool."""
         from deployments.stage_workers import start_worker
         from engine.assembly import make_verify_stage
 
-        return start_worker(functools.partial(make_verify_stage, self.settings), self.limits)
+        self.verifiers.append(start_worker(functools.partial(make_verify_stage, self.settings), self.limits))
+        return self.verifiers[-1]
 
     def take(self, n_drafts: int):
-        self.drafts += [self.start_draft() for _ in range(n_drafts - len(self.drafts))]
+        while len(self.drafts) < n_drafts:
+            self.start_draft()
         if not self.verifiers:
-            self.verifiers.append(self.start_verifier())
+            self.start_verifier()
         return {f"draft-{i}": w for i, w in enumerate(self.drafts[:n_drafts])}, self.verifiers[0]
 
     def killed(self, worker) -> None:
@@ -172,9 +177,7 @@ def test_dead_verifier_worker_resyncs_on_its_replacement(parts, pool):
         if step == 4:
             pool.killed(verifier)
             engine.step()  # the step that finds it dead: its rows are marked for re-prefill
-            replacement = pool.start_verifier()
-            pool.verifiers.append(replacement)
-            stages.set_verifier_workers({"verifier-1": replacement})
+            stages.set_verifier_workers({"verifier-1": pool.start_verifier()})
 
     try:
         assert _run(engine, requests, replace) == expected
