@@ -5,8 +5,8 @@ session, so ``http_port()`` starts Serve on 127.0.0.1 at a free port (or, when s
 already, reads the port it got). ``main_app()`` deploys the app built from ``tests.fixtures_tokenizer``'s
 tiny pair once per session under ``/oa``; the modules that use it run last and one after another
 (``tests/ray/conftest.py``), so it is deployed once and ends with the session. Test modules that need other
-router limits deploy their own app with ``deploy_app``. ``assert_stages_refuse_malformed_frames`` is the one malformed-frame check of the
-cluster and reliability suites.
+router limits deploy their own app with ``deploy_app``. ``assert_stages_refuse_malformed_frames`` is the one
+malformed-frame check of the cluster and reliability suites.
 """
 
 from __future__ import annotations

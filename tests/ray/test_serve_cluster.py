@@ -292,10 +292,11 @@ def _new_build(workers: dict, before: dict, drafts: int) -> bool:
         not set(names) & set(before["draft"] + before["verifier"])
 
 
-async def _keep_busy_through_a_redeploy(router, prompts, args, drafts: int, in_flight: int = 8) -> list:
+async def _keep_busy_through_a_redeploy(router, prompts, args, before: dict, drafts: int, in_flight: int = 8) -> list:
     """Keep ``in_flight`` requests running (half unary, half streaming, cycling through ``prompts``) from
     before the app is deployed again with ``args`` until the router the handle reaches is the new build's
-    with ``drafts`` draft workers; returns (prompt index, tokens or the exception) for every request sent."""
+    (``_new_build``: ``drafts`` draft workers, none of ``before``); returns (prompt index, tokens or the
+    exception) for every request sent."""
     from ray import serve
 
     from deployments.app import build_app
@@ -310,8 +311,7 @@ async def _keep_busy_through_a_redeploy(router, prompts, args, drafts: int, in_f
 
     running = {asyncio.ensure_future(one(i)) for i in range(in_flight)}
     sent, results = in_flight, []
-    info = await router.info.remote()
-    start, before = info["stats"]["steps"], info["workers"]
+    start = (await router.info.remote())["stats"]["steps"]
     while (await router.info.remote())["stats"]["steps"] < start + 3:
         await asyncio.sleep(0.02)
     serve._run(build_app(args), name=APP, _blocking=False)
@@ -340,7 +340,7 @@ def test_redeploying_with_a_draft_replica_fewer_under_load_loses_no_request(rout
     before = router.info.remote().result()["workers"]
     t0 = time.monotonic()
     results = asyncio.run(_keep_busy_through_a_redeploy(router, prompts, _args(1, "compiled", draft_replicas=1),
-                                                        drafts=1))
+                                                        before, drafts=1))
     print(f"{len(results)} requests in {time.monotonic() - t0:.0f} s through the redeploy")
     failed = [(i, o) for i, o in results if isinstance(o, BaseException)]
     assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
