@@ -22,12 +22,13 @@ from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
 from deployments.stage_workers import OP_RELEASE, OP_VERIFY
 from deployments.verifier_group import VerifierGroup
-from engine.assembly import make_proposer, make_verify_stage
+from engine.assembly import EngineSettings, make_proposer, make_verify_stage
 
 
-def build_verify_stage(cfg: ClusterConfig):
-    """The verify stage of one replica: the target itself, or a group of tensor-parallel ranks it drives."""
-    settings = engine_settings(cfg)
+def build_verify_stage(cfg: ClusterConfig, settings: EngineSettings | None = None):
+    """The verify stage of one replica: the target itself, or a group of tensor-parallel ranks it drives.
+    ``settings``: ``engine_settings(cfg)``, when the caller has them already."""
+    settings = settings or engine_settings(cfg)
     if cfg.target.tensor_parallel > 1:
         return VerifierGroup.from_config(settings, cfg)
     return make_verify_stage(settings)
@@ -47,7 +48,7 @@ class Verifier(StageHost):
                                slot_gauge="target")
             return
         settings = engine_settings(cfg)
-        self.stage = build_verify_stage(cfg)
+        self.stage = build_verify_stage(cfg, settings)
         colocated = cfg.draft_pool.placement == "colocated" and settings.draft is not None
         self.proposer = make_proposer(settings) if colocated else None
         self._slots = SlotGauge("target")
