@@ -39,6 +39,9 @@ from deployments.verifier import Verifier
 STAGE_MAX_ONGOING = 256  # stage calls are one per micro-batch step; Serve's default of 5 would throttle them
 STAGE_SHUTDOWN_S = 10.0  # stage calls last milliseconds; a replica going away need not wait Serve's default 20 s
 INGRESS_BURST = 4096  # requests the ingress may hold beyond its own limits (see _ingress)
+# Serve writes an access-log line for every call a replica serves. The ingress's lines are the HTTP requests;
+# the router's would repeat them, and a stage's would be one per micro-batch step, written on the step's path.
+QUIET = {"logging_config": {"enable_access_log": False}}
 # The ingress and the router run only non-blocking async code (the router's engine steps on a thread of
 # its own), so Serve may run it on the replica's own event loop instead of handing every request between
 # threads; the ingress also routes its handle calls from that loop (the router's come from its step thread,
@@ -101,7 +104,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
     generation = secrets.token_hex(4)  # this build's stage workers (deployments.worker_directory.app_key)
     v, r = cfg.verifier, cfg.router
     router_opts = dict(
-        num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
+        **QUIET, num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
         # Scale-down and redeploys wait for in-flight requests instead of dropping them.
         graceful_shutdown_timeout_s=r.request_timeout_s)
     if r.stages == "local":  # the router hosts both models (see deployments.router)
@@ -114,7 +117,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
     else:  # in worker mode the replica's stage worker holds the GPU (deployments.stage_host)
         verifier_opts = {**_placement(v.num_cpus, 0 if "verifier" in cfg.worker_stages else v.num_gpus,
                                       v.accelerator_type, v.resources), **_model_env(v.num_threads)}
-    verifier = Verifier.options(num_replicas=v.num_groups, ray_actor_options=verifier_opts,
+    verifier = Verifier.options(**QUIET, num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
                                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg, generation)
 
@@ -130,7 +133,8 @@ def build_app(args: ClusterConfig | dict[str, Any]):
                                                   "max_replicas": pool.autoscaling.max_replicas,
                                                   "target_ongoing_requests": 2}}
             draft = DraftPool.options(
-                **scaling, max_ongoing_requests=STAGE_MAX_ONGOING, graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
+                **QUIET, **scaling, max_ongoing_requests=STAGE_MAX_ONGOING,
+                graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
                 ray_actor_options={**_placement(pool.num_cpus, 0 if "draft" in cfg.worker_stages else pool.num_gpus,
                                                 pool.accelerator_type, pool.resources),
                                    **_model_env(pool.num_threads)}).bind(cfg, generation)

@@ -237,6 +237,7 @@ def null_app(cfg):
     path's worker mode, with a stage that answers at once."""
     from ray import serve
 
+    from deployments.app import QUIET
     from deployments.settings import wire_limits
     from deployments.stage_host import StageHost
     from deployments.stage_workers import OP_PROPOSE, OP_RELEASE, OP_VERIFY
@@ -274,8 +275,8 @@ def null_app(cfg):
                 return
             await self._run(self.stage.release, list(wire.decode_release(frame, self.limits).seq_ids))
 
-    verifier = NullStage.options(name="NullVerifier").bind(cfg, "verifier")
-    return NullStage.options(name="NullDraft").bind(cfg, "draft", verifier)
+    verifier = NullStage.options(name="NullVerifier", **QUIET).bind(cfg, "verifier")
+    return NullStage.options(name="NullDraft", **QUIET).bind(cfg, "draft", verifier)
 
 
 def time_stages(stages, batch: int, gamma: int, steps: int, inflight: int) -> dict:

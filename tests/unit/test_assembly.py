@@ -101,16 +101,20 @@ def counted(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _deployments(app) -> dict:
-    """Deployment name → (replica class, bound args with handles as None), for the app's whole graph."""
-    found = {}
-    stack = [app]
+def _nodes(app) -> list:
+    """Every deployment of the app's graph, as bound."""
+    found, stack = [], [app]
     while stack:
         node = stack.pop()._bound_deployment
-        args = [None if hasattr(a, "_bound_deployment") else a for a in node.init_args]
         stack.extend(a for a in node.init_args if hasattr(a, "_bound_deployment"))
-        found[node.name] = (node.func_or_class, args)
+        found.append(node)
     return found
+
+
+def _deployments(app) -> dict:
+    """Deployment name → (replica class, bound args with handles as None), for the app's whole graph."""
+    return {node.name: (node.func_or_class, [None if hasattr(a, "_bound_deployment") else a for a in node.init_args])
+            for node in _nodes(app)}
 
 
 def _starts(app, counts: Counter) -> dict:
@@ -142,6 +146,10 @@ def test_the_config_is_validated_once_per_deploy(counted, stages):
     expected = {"OpenAIIngress": {}, "Router": {"tokenizer reads": 1},
                 **({"Verifier": {}, "DraftPool": {}} if stages == "remote" else {})}
     assert _starts(app, counted) == expected
+    # Serve's access log: the ingress's lines are the HTTP requests; the router and the stages, called once per
+    # request and once per step, write none.
+    access_log = {n.name: (n.logging_config or {}).get("enable_access_log", True) for n in _nodes(app)}
+    assert access_log == {name: name == "OpenAIIngress" for name in expected}
 
 
 def test_specserve_serve_validates_its_config_once(counted, tmp_path, monkeypatch):
