@@ -20,12 +20,15 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
 prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process), ``--rounds`` times
-(default 2), every row once per round and the order reversed every other round, as batch 1 is. Served
+(default 2), every row once per round and the order reversed every other round, as batch 1 is; each row's
+rate over the best in-process speculative rate of the same round is reported per round (median and range,
+the box's drift between rounds). Served
 rows use the app's own thread settings (``verifier.num_threads`` 'auto' unless ``--served-threads N``,
-``draft_pool.num_threads`` 1); the in-process rows run once per ``--threads`` count (default: 1 and all cores), so the served rows meet the better
-in-process baseline. Like the replicas (``deployments/replica_process.py``), this process's OpenMP threads
-wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set): spinning, two threads collapse whenever another
-process wants a core. Each output is checked identical to the in-process plain one.
+``draft_pool.num_threads`` 1); the in-process rows run once per ``--threads`` count (default: 1 and all
+cores), so the served rows meet the better in-process baseline. Like the replicas
+(``deployments/replica_process.py``), this process's OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``
+unless set): spinning, two threads collapse whenever another process wants a core. Each output is checked
+identical to the in-process plain one.
 
 It also records resident memory: every replica's against its line of ``specserve plan``, and Ray's own
 processes.
@@ -42,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -301,18 +305,22 @@ def main() -> int:
                                                        for r in rows), file=sys.stderr)
     batched = {}
     if args.batch > 1:
-        batched = {row: {"tokens": 0, "seconds": 0.0, "texts": []} for row in rows}
+        batched = {row: {"tokens": 0, "seconds": 0.0, "texts": [], "rounds": []} for row in rows}
         for r in range(args.rounds):  # interleaved like batch 1: a drift of the box's speed hits every row
             for row in (rows if r % 2 == 0 else rows[::-1]):
                 rec = batched[row]
+                round_tokens, round_seconds = 0, 0.0
                 for start in range(0, len(prompts), args.batch):
                     texts, tokens, seconds = run(row, prompts[start:start + args.batch])
-                    rec["tokens"] += tokens
-                    rec["seconds"] += seconds
+                    round_tokens += tokens
+                    round_seconds += seconds
                     if r == 0:
                         rec["texts"] += texts
                     elif texts != rec["texts"][start:start + args.batch]:
                         rec["texts"][start:start + args.batch] = [None] * len(texts)  # not reproducible
+                rec["tokens"] += round_tokens
+                rec["seconds"] += round_seconds
+                rec["rounds"].append(round_tokens / round_seconds)
             print(f"[batch {args.batch}, round {r + 1}/{args.rounds}] " + "  ".join(
                 f"{row}: {batched[row]['tokens'] / batched[row]['seconds']:.1f}" for row in rows), file=sys.stderr)
 
@@ -328,6 +336,10 @@ def main() -> int:
     best_plain = max(plain_rows, key=lambda r: batch1[r]["tokens"] / batch1[r]["seconds"])
     reference = batch1[best_plain]["texts"]
     plain_rate = batch1[best_plain]["tokens"] / batch1[best_plain]["seconds"]
+    # Each round runs every row back to back, so a row's rate over the same round's best in-process speculative
+    # rate is a ratio measured side by side; its spread over the rounds is the box's drift.
+    spec_rows = [r for r in engines if r.startswith("in-process speculative")]
+    spec_by_round = [max(batched[r]["rounds"][i] for r in spec_rows) for i in range(args.rounds)] if batched else []
     results = []
     for row in rows:
         rec = batch1[row]
@@ -339,17 +351,21 @@ def main() -> int:
             rb = batched[row]
             result["batch_tokens_per_s"] = rb["tokens"] / rb["seconds"]
             result["batch_identical_to_plain"] = sum(x == y for x, y in zip(rb["texts"], reference))
+            result["batch_vs_in_process_speculative_by_round"] = [x / y for x, y in zip(rb["rounds"], spec_by_round)]
         results.append(result)
 
     header = ["row", "batch 1 tok/s", "× best in-process plain", "p50 / p90 s per request", "identical"]
     if batched:
-        header += [f"batch {args.batch} tok/s", f"batch {args.batch} identical"]
+        header += [f"batch {args.batch} tok/s", f"batch {args.batch} identical",
+                   "× in-process spec. per round: median (min–max)"]
     table = [header]
     for r in results:
         line = [r["row"], f"{r['batch1_tokens_per_s']:.1f}", f"{r['batch1_vs_in_process_plain']:.2f}×",
                 f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f}", f"{r['identical_to_plain']}/{len(prompts)}"]
         if batched:
-            line += [f"{r['batch_tokens_per_s']:.1f}", f"{r['batch_identical_to_plain']}/{len(prompts)}"]
+            by_round = r["batch_vs_in_process_speculative_by_round"]
+            line += [f"{r['batch_tokens_per_s']:.1f}", f"{r['batch_identical_to_plain']}/{len(prompts)}",
+                     f"{statistics.median(by_round):.2f}× ({min(by_round):.2f}–{max(by_round):.2f})"]
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for j, line in enumerate(table):
