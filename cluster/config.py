@@ -415,8 +415,7 @@ class RouterSpec(_Spec):
     def step_micro_batches(self) -> int:
         """The micro-batches the step loop runs: local stages run draft and verify in one process, one after
         the other, where micro-batches taking turns overlap nothing and only split each forward in two
-        (measured, embedded pair, 16 concurrent HTTP requests on 2 cores: 370-440 tokens/s with 2,
-        470-550 with 1)."""
+        (docs/measurements.md#cluster-config)."""
         return 1 if self.stages == "local" else self.micro_batches
 
 

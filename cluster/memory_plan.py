@@ -42,9 +42,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 # Resident memory of a replica process apart from its models (Python, torch, transformers, a Ray worker;
 # shared library pages counted in every process, as RSS counts them), and of Ray's own processes on a node
-# running a Serve app. Peak RSS measured by scripts/bench_served.py on this project's 2-core CPU VM: model
-# replicas ~500 MiB beyond their models, a router with local stages ~600, a router ~415, HTTP ingress ~150,
-# Ray's 7 processes ~700 MiB.
+# running a Serve app: peak RSS of scripts/bench_served.py's replicas (docs/measurements.md#memory-plan).
 RUNTIME_BYTES = 512 * MiB
 LOCAL_ROUTER_RUNTIME_BYTES = 600 * MiB
 ROUTER_RUNTIME_BYTES = 420 * MiB

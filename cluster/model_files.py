@@ -7,9 +7,9 @@ model family, vocabulary size, attention heads and the tokenizer's id → token 
 (``cluster.config``) and model loading (``runtime.models``) both call it, and ``check_draft_matches`` is the
 one rule for whether a draft's token ids mean the target's tokens, so a pair cannot pass one and fail the other.
 
-No torch, numpy or ``gguf`` import: the GGUF header is parsed here with ``struct`` (the ``gguf`` package's
-reader turns every vocabulary entry into a numpy view and took 20 s for a 152k-token header on this 2-core
-box; this walk takes well under a second and stops before the tensor table).
+No torch, numpy or ``gguf`` import: the GGUF header is parsed here with ``struct``, stopping before the
+tensor table (the ``gguf`` package's reader makes a numpy view of every vocabulary entry, far too slow for
+a large vocabulary: docs/measurements.md#model-files).
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@ applied inside each replica before its model loads (``deployments/replica_proces
 'auto' on a CPU device gives a replica the cores its models need: one thread per
 ``WEIGHT_BYTES_PER_THREAD`` of weights it reads per step (at least one), at most the node's cores divided
 among the tensor-parallel ranks of a group that share the node. A small model's products are too short to
-pay for waking other threads: on this project's 2-core VM the embedded target (48 MiB) stepped in 6–7 ms
-on one thread and 7.5–11 ms on two; a 0.6 GB model ran as fast on one as on two, a 1.1 GB one faster on
-two, and a user's 1.5B target (6 GB in float32) twice as fast. On a GPU, where the CPU only feeds the
-device, 'auto' is Ray's ``floor(num_cpus)``.
+pay for waking other threads, a large one's gain from them (docs/measurements.md#threads). On a GPU, where
+the CPU only feeds the device, 'auto' is Ray's ``floor(num_cpus)``.
 
 The verifier defaults to 'auto' and the draft to 1: at batch 1 they take turns (draft, then verify), so a
 verifier on all cores costs the draft little. With several micro-batches both compute at once and a node

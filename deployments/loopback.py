@@ -12,14 +12,14 @@ One server ignores the node IP: each Serve replica's inter-deployment gRPC serve
 interface). ``bind_wildcard_grpc_to_node_ip`` — a ``worker_process_setup_hook`` that ``init_local_ray``
 installs in every worker of the job — makes Ray's ``add_port_to_grpc_server`` bind that address to the
 node IP instead, which is where Serve's handles connect anyway. It patches the light ``tls_utils`` module
-before Serve's replica module imports the function (importing Serve in every worker would cost each
-~1.5 s). ``tests/ray/test_sockets.py`` fails if a Ray upgrade adds another wildcard listener.
+before Serve's replica module imports the function (importing Serve in every worker would slow each
+one's start). ``tests/ray/test_sockets.py`` fails if a Ray upgrade adds another wildcard listener.
 
 The HTTP API of such a cluster is served by the ingress replica itself (Serve's direct ingress,
-``direct_ingress_env``): Serve's proxy costs ~2 ms of CPU per request, so on 2 cores 640 simultaneous
-requests waited 1.5-2.8 s at p99 for it alone, even when the answer was an immediate 503; the replica's
-own HTTP server answers the same burst in 0.2-0.6 s. Serve still starts its proxy (on an ephemeral
-loopback port, unused); multi-node clusters keep the proxy, which spreads requests over ingress replicas.
+``direct_ingress_env``): Serve's proxy spends CPU on every request, so on a small node a burst queues
+behind it even when the answer is an immediate 503 (docs/measurements.md#loopback-cluster). Serve still
+starts its proxy (on an ephemeral loopback port, unused); multi-node clusters keep the proxy, which
+spreads requests over ingress replicas.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def direct_ingress_env(port: int, count: int = 1) -> dict[str, str]:
     direct-ingress ports from [MIN, MAX); ``specserve serve`` has one ingress and one port).
 
     Serve keeps a stopping direct-ingress replica up for a minimum draining period (30 s) so that a load
-    balancer in front of it notices; nothing stands in front of these, so Ctrl-C took 33 s with nothing in
-    flight. Without that period a stopping replica still waits for the requests in flight
-    (``graceful_shutdown_timeout_s``), and an idle app stops in a few seconds."""
+    balancer in front of it notices; nothing stands in front of these, so Ctrl-C need not wait it out
+    (docs/measurements.md#loopback-cluster). Without that period a stopping replica still waits for the
+    requests in flight (``graceful_shutdown_timeout_s``)."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + count),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}

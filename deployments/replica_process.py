@@ -11,16 +11,12 @@
    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` for anything that reads them later.
 3. glibc's mmap threshold is fixed at 1 MiB. By default glibc raises it after every large free (up to
    32 MiB), after which the large temporaries of a prefill step come from the heap and stay resident after
-   the step; measured here, a worst-case step then held ~1.5× the memory the plan counts. Fixed, blocks of
-   1 MiB and more are returned to the system when freed and the process's memory follows the plan (within
-   11 % in tests/unit/test_memory_plan.py). Not lower: every mmap'd block is faulted in afresh, page by
-   page, and a decode step's activations are mostly 0.1–1 MiB. At 128 KiB the embedded pair's batch-16
-   decode took 4–7× the page faults and ran ~15 % slower than with glibc's default; at 1 MiB it runs as
-   fast (`specserve`'s embedded pair, one thread, 16 rows × 64 tokens, this 2-core VM, 2026-12-01).
+   the step, beyond the plan. Fixed, blocks of 1 MiB and more are returned to the system when freed and the
+   process's memory follows the plan (within 11 % in tests/unit/test_memory_plan.py). 1 MiB: lower
+   thresholds fault in decode activations page by page (docs/measurements.md#replica-process).
 4. The process runs at ``MODEL_NICENESS``: model work saturates the cores by design, and on a node it shares
-   with the HTTP ingress, health checks and Ray's own processes, those must still answer at once. Measured
-   on this 2-core VM with the router decoding 160 admitted requests, 480 rejected ones of a 640-request
-   burst waited p50 0.90 s / p99 1.12 s at equal priority. With idle cores it changes nothing.
+   with the HTTP ingress, health checks and Ray's own processes, those must still answer at once
+   (docs/measurements.md#replica-process). With idle cores it changes nothing.
 
 No ray import: the in-process memory test sets a process up the same way.
 """
@@ -114,8 +110,7 @@ def model_process_env(threads: int | str) -> dict[str, str]:
 
     - ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that finish early sleep instead of spinning. A spinning
       thread holds a core another process needs (the draft, the router, anything else on the node), and the
-      thread it waits for cannot run: measured on this 2-core VM while other processes competed, the
-      embedded target decoded at 2–19 tokens/s on 2 spinning threads, 115–120 passive, 130–150 on 1 thread.
+      thread it waits for cannot run, and decoding collapses (docs/measurements.md#replica-process).
     - ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: Ray exports floor(num_cpus) to a worker it starts; a
       configured integer replaces it from the start ('auto' depends on the node: ``configure_process``).
     """

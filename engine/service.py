@@ -9,10 +9,8 @@ cancelled in the engine, which frees its KV slots in both stages.
 Delivery costs the step as little as it can: the step thread wakes each event loop once per step, for all
 of that loop's requests, and a request that is not streamed gets its events only with its last one (held
 on the step thread meanwhile, with the time each was produced). Every wake-up runs Python on the event
-loop, and a small model's step releases the GIL at each op, so that Python delays the step. On the
-project's 2-core VM (embedded pair, 9 concurrent HTTP requests, local stages, 2026-12-01), a router that
-woke its loop once per request and step decoded at 0.78–0.79× the in-process engine's tokens/s, and
-0.94–0.95× with the delivery described here.
+loop, and a small model's step releases the GIL at each op, so that Python delays the step
+(docs/measurements.md#engine-service).
 """
 
 from __future__ import annotations

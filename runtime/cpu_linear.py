@@ -1,17 +1,14 @@
 """Linear layers whose weight lives only in oneDNN's prepacked layout, for float32 inference on CPU.
 
 Why: with stock ``nn.Linear`` on CPU, two or more rows run as an MKL GEMM that repacks the weight on every
-call. On a memory-bound CPU, a (γ+1)-token verify forward then costs ~1.6× a one-token step (the default
-pair's target, 5 tokens, on a 2-core VM). The Leviathan model, and the whole point of speculation, assume
-that verifying γ+1 tokens costs about what one token costs. With the weight reordered once into oneDNN's
-blocked layout, a 2–16 row product costs about what one row does (the same 5-token verify: ~1.2× a step).
+call, so a (γ+1)-token verify forward costs well over a one-token step. The Leviathan model, and the whole
+point of speculation, assume that verifying γ+1 tokens costs about what one token costs. With the weight
+reordered once into oneDNN's blocked layout, a 2–16 row product costs about what one row does.
 
 One copy: the stock weight is dropped once packed, so a packed model holds its Linear weights once, as
-before packing. One-row inputs use the packed weight too. ``scripts/bench_linear_kernels.py`` on the 2-core
-VM, packed over stock at one row: 0.98 (embedded target's layers) and 0.94 (Qwen2.5-0.5B widths) on one
-thread; on two threads 0.96 at 0.5B widths but 1.4 for the embedded target's small layers — which
-``num_threads: auto`` runs on one thread (``cluster/threads.py``). From two rows on, packed is 2–4× faster.
-Keeping the stock weight for the one-row case would double the memory for at most that. The exception is
+before packing. One-row inputs use the packed weight too: there it is about as fast as stock on the thread
+counts ``num_threads: auto`` gives (``cluster/threads.py``), so keeping the stock weight for them would
+double the memory for next to nothing (docs/measurements.md#cpu-linear-layers). The exception is
 a weight shared with another module (an LM head tied to the embedding): the embedding needs the dense
 matrix, so there the packed copy is a second one, and ``cluster.memory_plan`` counts it.
 

@@ -2,9 +2,9 @@
 
 Why not Hugging Face's own forward with a custom Cache + registered attention function? Both were tried
 (docs/design.md#the-forward): they give the same logits, but the HF route depends on version-specific names
-(``cache_position`` vs ``position_ids``, ``past_key_values`` vs ``cache``, ``CacheLayerMixin``), and the
-GPU image runs transformers 5.17 while this machine runs 5.24; the HF route also costs ~0.3 ms of Python
-per call, which is a large share of a tiny model's step. This forward calls the model's own submodules
+(``cache_position`` vs ``position_ids``, ``past_key_values`` vs ``cache``, ``CacheLayerMixin``) that differ
+between the transformers releases we run, and its Python per call is a large share of a tiny model's step
+(docs/measurements.md#compact-forward). This forward calls the model's own submodules
 (embeddings, norms, q/k/v/o projections, MLP, rotary embedding, LM head), so weights, biases, RoPE
 scaling, and DeepSpeed AutoTP's sharded Linear layers (which change the local head count) all keep
 working, while positions, masks and the KV pool are ours.

@@ -18,10 +18,8 @@ Contract:
 
 Cost: a step sends a few frames of a batch's worth of rows, so per-row columns (seq ids, bases, lengths,
 sampling settings) are packed and checked as Python numbers with ``struct``: for a few dozen values a numpy
-call's fixed cost (~1 µs) is what dominates. Bulk columns (token ids, q, parents) are decoded as numpy
-arrays, and any column of more than ``_FEW`` values is checked as one. On the 2-core dev VM a 16-row, γ = 4
-propose → proposal round trip (both ends' encode and decode) takes ~0.08 ms and verify → outcome ~0.1 ms,
-about half of it building the ``runtime.protocol`` dataclasses row by row.
+call's fixed cost is what dominates. Bulk columns (token ids, q, parents) are decoded as numpy arrays, and
+any column of more than ``_FEW`` values is checked as one (docs/measurements.md#wire-format).
 
 Never pickle: everything that crosses a process boundary goes through here.
 """

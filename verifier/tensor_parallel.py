@@ -14,7 +14,7 @@ Contract:
 - CPU uses gloo, CUDA uses NCCL: the same code but for backend and device. Rendezvous is TCP on a
   routable address of rank 0's node (never 0.0.0.0) and a free port chosen there (``free_port``).
 - DeepSpeed's CPU shared-memory all-reduce op is switched off by default (``cpu_shm_allreduce=False``):
-  it costs a ~1 min JIT C++ build on first use and a 66 MiB segment per rank in /dev/shm, and CPU ranks
+  it costs a JIT C++ build on first use and a shared-memory segment per rank in /dev/shm, and CPU ranks
   only serve tests and demos; the all-reduce then runs on gloo. See docs/tensor_parallel.md.
 
 No ray import here: the Ray actors that host ranks live in ``deployments.verifier_group``.
@@ -155,7 +155,7 @@ def init_distributed(dist: DistConfig, device: torch.device) -> str:
 def _configure_cpu_allreduce(deepspeed, dist: DistConfig) -> None:
     """Either let DeepSpeed build/load its shared-memory all-reduce op, or mark it unavailable so that
     ``inference_all_reduce`` falls back to ``torch.distributed.all_reduce`` on gloo."""
-    compatible = deepspeed.ops.__compatible_ops__  # probed once per process (~0.4 s), then cached
+    compatible = deepspeed.ops.__compatible_ops__  # probed once per process, then cached
     if dist.cpu_shm_allreduce:
         # The op only uses shared memory when LOCAL_SIZE says every rank is on this node.
         os.environ["LOCAL_SIZE"] = str(dist.world_size)
@@ -166,7 +166,7 @@ def _configure_cpu_allreduce(deepspeed, dist: DistConfig) -> None:
 
 def cpu_shm_op_built() -> bool:
     """Whether DeepSpeed's CPU shm all-reduce op is already in torch's extension cache, i.e. whether
-    ``cpu_shm_allreduce=True`` costs a load (~1 s) rather than a C++ build (~1 min idle, several under load).
+    ``cpu_shm_allreduce=True`` costs a load rather than a C++ build (docs/measurements.md#tensor-parallelism).
     Pre-build it once per image/host with ``ShareMemCommBuilder().load()`` (docs/tensor_parallel.md)."""
     import sys
 
