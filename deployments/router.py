@@ -134,7 +134,7 @@ class Router:
             temperature=defaults.temperature if req.temperature is None else float(req.temperature),
             top_p=defaults.top_p if req.top_p is None else float(req.top_p),
             top_k=defaults.top_k if req.top_k is None else int(req.top_k),
-            seed=req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little"))
+            seed=req.seed)  # None: the engine draws one and leaves the request's γ to the adaptive policy
         request = Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
                           ignore_eos=req.ignore_eos)
         admitted = self.service.submit(request, stream=stream)

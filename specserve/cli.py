@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed for sampled decoding (reproducible, fixed γ); unset: a fresh sample, adaptive γ")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--max-len", type=int, default=D.MAX_MODEL_LEN,
                      help="context length (prompt + output)")

@@ -167,6 +167,29 @@ def test_sampling_with_seed_is_reproducible(client):
     assert len(a.choices[0].model_extra["token_ids"]) >= 1
 
 
+def _fixed_gamma_steps(spec: dict, gamma: int, slack: int) -> bool:
+    """Whether every step drafted the configured γ, but for the last few clamped by the room left."""
+    return len(spec["per_position_acceptance"]) <= gamma and spec["proposed"] >= gamma * spec["steps"] - slack
+
+
+def test_unseeded_sampled_requests_adapt_gamma_and_seeded_ones_do_not(client):
+    """A request without a seed is the engine's to seed, and so its γ the adaptive policy's (which measures
+    plain steps, and drafts past the configured γ when the draft agrees); a seeded one drafts the configured
+    γ every step so that its sample is reproducible. The router once seeded every request itself, which pinned
+    all served sampled traffic to the fixed γ."""
+    gamma = 4  # openai_app's speculation.gamma (gamma_max 8, adaptive)
+    kw = dict(model=MODEL, prompt="Numbers: 0 1 2", max_tokens=48, temperature=1.0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    seeded = [client.completions.create(seed=1234, **kw) for _ in range(2)]
+    assert seeded[0].choices[0].model_extra["token_ids"] == seeded[1].choices[0].model_extra["token_ids"]
+    for r in seeded:
+        assert _fixed_gamma_steps(r.model_extra["speculation"], gamma, slack=2 * gamma), r.model_extra
+    unseeded = [client.completions.create(**kw) for _ in range(3)]
+    specs = [r.model_extra["speculation"] for r in unseeded]
+    assert not all(_fixed_gamma_steps(s, gamma, slack=2 * gamma) for s in specs), specs
+    assert len({tuple(r.choices[0].model_extra["token_ids"]) for r in unseeded}) > 1
+
+
 async def _stream_text(aclient, prompt: str, max_tokens: int) -> tuple[str, str]:
     stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                               stream=True)
