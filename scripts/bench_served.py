@@ -57,8 +57,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
-from deployments.loadgen import pct  # noqa: E402
 from evaluation.scenarios import SCENARIOS, load_prompts  # noqa: E402
+from tools.loadgen import pct  # noqa: E402
 
 PORT = 18000 + os.getpid() % 1000  # the config's http.port; the ingress replicas serve on ports of start_apps'
 

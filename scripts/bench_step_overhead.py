@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.loadgen import pct
+from tools.loadgen import pct
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

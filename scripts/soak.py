@@ -14,7 +14,7 @@ Repeats, until ``--duration`` seconds have passed, one cycle of:
   replica, SIGKILLed under load; seconds until ``/health`` says degraded / unhealthy and ok again.
 
 Once, for a server this script started: the listening sockets of its process tree (all must be on
-loopback). The traffic comes from ``deployments.loadgen``, the generators the test suite uses.
+loopback). The traffic comes from ``tools.loadgen``, the generators the test suite uses.
 
 The reference for each prompt is plain greedy decoding of ``builtin:tiny`` in process when this script
 starts the server (its model), else the server's own answer to that prompt alone, before any load.
@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from deployments.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, is_loopback,
-                                 listening_sockets, replica_pid, stalled_bodies, steady, stop_server)
-from deployments.loadgen import start_server as launch_server
+from tools.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, listening_sockets,
+                           off_loopback, replica_pid, stalled_bodies, steady, stop_server)
+from tools.loadgen import start_server as launch_server
 
 REPO = Path(__file__).resolve().parents[1]
 APP_NAME = "specserve"  # deployments.launch.APP_NAME: the app `specserve serve` deploys
@@ -102,7 +102,7 @@ async def soak(target: Target, server: subprocess.Popen | None, args) -> Ledger:
     refs = plain_decoding(prompts) if server is not None else await quiet_answers(target, prompts)
     if server is not None:
         sockets = listening_sockets(server.pid)
-        ledger.note("sockets", listening=len(sockets), not_loopback=sum(not is_loopback(a) for a, _, _ in sockets))
+        ledger.note("sockets", listening=len(sockets), not_loopback=len(off_loopback(sockets)))
 
     t0 = time.monotonic()
     warm = await burst(target, [body(p) for p in prompts[: args.burst]])

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from deployments.loadgen import free_port
 from tests.fixtures_tokenizer import tiny_pair
 from tests.ray.conftest import deploy
+from tools.loadgen import free_port
 
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 256

@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from cluster import dashboards, metrics as m
-from deployments.loadgen import free_port
 from runtime.gpu_metrics import NvmlReader
 from tests.ray.conftest import delete_app, deploy
 from tests.ray.openai_app import app_args
+from tools.loadgen import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600),
               pytest.mark.skipif(shutil.which("prometheus") is None,

@@ -1,7 +1,7 @@
 """Reliability under faults, over HTTP on loopback: steady arrivals above capacity, replica kills, disconnects.
 
 One app (builtin:tiny target and draft, one draft replica so that killing it takes the whole pool down) is
-driven with ``deployments.loadgen`` — the same generators ``scripts/soak.py`` runs for longer. Every
+driven with ``tools.loadgen`` — the same generators ``scripts/soak.py`` runs for longer. Every
 completed output is compared with the reference: plain greedy decoding of the target alone, in process
 (``tests/ray/test_serve_cluster.py`` checks that against Hugging Face ``generate``).
 The tests run in file order: the no-fault checks first, then the kills (Serve restarts each victim).
@@ -18,9 +18,9 @@ from collections import Counter
 import pytest
 import torch
 
-from deployments.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, replica_pid, request,
-                                 steady)
 from tests.ray.openai_app import assert_stages_refuse_malformed_frames, delete_app, deploy_app
+from tools.loadgen import (HealthWatch, Ledger, Target, burst, get_json, hang_ups, replica_pid, request,
+                           steady)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

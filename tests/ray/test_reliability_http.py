@@ -11,7 +11,7 @@ requests — is tested on the launcher's own path, in test_sockets.py.)
   Content-Type/Encoding, empty bodies, non-object tops, truncations, byte flips and mistyped fields:
   0 × 5xx, every 4xx in OpenAI's shape, each hostile class a 400.
 
-Load comes from ``deployments.loadgen`` (one asyncio connection per request: httpx's pool would cost
+Load comes from ``tools.loadgen`` (one asyncio connection per request: httpx's pool would cost
 seconds of client CPU at 640 connections, measured as server latency).
 """
 
@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from deployments.ingress import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_body
-from deployments.loadgen import Result, Target, request
 from tests.fixtures_tokenizer import prompts, reference
 from tests.ray.openai_app import BODY_TIMEOUT_S, MAIN_MAX_QUEUE, MAIN_MAX_RUNNING, MAX_PENDING_BODIES, MODEL, App, \
     main_app
+from tools.loadgen import Result, Target, request
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ can run beside other servers), in an environment with no ``RAY_*`` settings and 
 - Overload: the HTTP port is the ingress replica's own server (Serve's direct ingress, see
   deployments/loopback.py), so 640 simultaneous requests against a capacity of 160 (the default
   max_running 32 + max_queue 128) get only 200 or 503 (+ Retry-After, OpenAI body), rejections answer
-  within 1 s at p99 (from the request on the wire: ``deployments.loadgen.request`` leaves this process's
+  within 1 s at p99 (from the request on the wire: ``tools.loadgen.request`` leaves this process's
   own time to open 640 connections out, and prints it), and every accepted answer is token-identical to the reference. (This runs here, before
   the session's cluster starts, on the launcher's own path.)
 
@@ -23,7 +23,6 @@ the test session's); the sockets and environments of that process tree are read 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import secrets
 import socket
@@ -37,8 +36,8 @@ import httpx
 import psutil
 import pytest
 
-from deployments.loadgen import Target, burst, start_server, stop_server
 from tests.fixtures_tokenizer import prompts, reference, tiny_pair
+from tools.loadgen import Target, burst, off_loopback, start_server, stop_server
 
 pytestmark = pytest.mark.ray
 
@@ -52,12 +51,6 @@ CLEAN_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 MODEL = "tiny"
 OVERLOAD, OVERLOAD_TOKENS, CAPACITY, REJECT_P99_S = 640, 8, 32 + 128, 1.0
 ATTACH = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('ATTACHED', flush=True)"
-
-
-def _is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1, a dual-stack socket bound to 127.0.0.1
-    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _tree(pid: int) -> dict[int, psutil.Process]:
@@ -127,7 +120,7 @@ def test_every_socket_listens_on_loopback_only(launch):
     sockets = _sockets(procs)
     table = sorted((c.laddr.ip, c.laddr.port, _name(procs[c.pid])) for c in sockets)
     print("\n".join(f"{ip:>18} {p:>5}  {name}" for ip, p, name in table))  # the record (run with -s)
-    exposed = [row for row in table if not _is_loopback(row[0])]
+    exposed = off_loopback(table)  # ::ffff:127.0.0.1 (a dual-stack socket bound to 127.0.0.1) is loopback
     assert not exposed, f"listening beyond loopback: {exposed}"
     # Ray itself, not only the launcher's own HTTP server: GCS, raylet, agents, replicas (Ray's own names).
     names = " ".join(name for _, _, name in table)

@@ -24,9 +24,10 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.placement import ACCELERATOR_PREFIX, NodeType, check_fits, role_resources
-from deployments.k8s_manifests import (DEFAULT_CONFIG, committed_files, render, render_files, unknown_keys,
-                                validate_manifest)
-from deployments.serve_config import RenderError, validate_serve_config
+from deployments.serve_schema import validate_serve_config
+from tools.k8s_manifests import (DEFAULT_CONFIG, committed_files, render, render_files, unknown_keys,
+                                 validate_manifest)
+from tools.serve_config import RenderError
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -163,7 +164,8 @@ def test_vendored_crds_match_their_source_record() -> None:
 
 @pytest.mark.parametrize("name", FILES)
 def test_manifest_validates_against_kuberay_crd(name: str) -> None:
-    assert validate_manifest(load(name)) == []  # the default: the vendored CRDs, the same as CRD_DIR
+    # crd_dir's default: the vendored CRDs, the same as CRD_DIR
+    assert validate_manifest(load(name), serve_check=validate_serve_config) == []
 
 
 def test_strict_pass_skips_maps_and_preserved_objects() -> None:
@@ -236,7 +238,7 @@ BROKEN = [
 def test_broken_copy_fails_readably(what: str, edit, message: str) -> None:
     doc = load("rayservice.yaml")
     edit(doc)
-    problems = validate_manifest(doc, CRD_DIR)
+    problems = validate_manifest(doc, CRD_DIR, serve_check=validate_serve_config)
     assert any(message in p for p in problems), problems
     assert all("\n" not in p for p in problems), problems
 
@@ -245,6 +247,6 @@ def test_raycluster_broken_copy_fails_readably() -> None:
     doc = load("raycluster.yaml")
     doc["spec"]["workerGroupSpecs"][1]["maxReplicas"] = 0
     doc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # rayStartParams values are strings
-    problems = validate_manifest(doc, CRD_DIR)
+    problems = validate_manifest(doc, CRD_DIR, serve_check=validate_serve_config)
     assert "spec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'" in problems, problems
     assert "spec.workerGroupSpecs[draft-l4]: minReplicas (1) must be ≤ maxReplicas (0)" in problems, problems

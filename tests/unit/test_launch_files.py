@@ -23,7 +23,9 @@ import yaml
 from cluster.config import ClusterConfig
 from cluster.placement import (ACCELERATOR_PREFIX, REFERENCE_NODES, NodeType, check_fits, role_resources,
                                sizing_markdown)
-from deployments.serve_config import RENDERED, render_file, validate_serve_config
+from deployments.serve_schema import IMPORT_PATH, validate_serve_config
+from tools.serve_config import IMPORT_PATH as RENDERED_IMPORT_PATH
+from tools.serve_config import RENDERED, render_file
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "cluster" / "launch"
@@ -125,6 +127,12 @@ def test_launch_file_deploys_its_current_serve_config(name: str) -> None:
     assert validate_serve_config(text) == []
     args = yaml.safe_load(text)["applications"][0]["args"]
     assert ClusterConfig.from_dict(args) == ClusterConfig.from_yaml(REPO / config)
+
+
+def test_renderer_and_validator_name_the_same_app() -> None:
+    # validate_serve_config checks the args only of applications with its IMPORT_PATH: were the renderer's to
+    # differ, the rendered files' args would go unchecked.
+    assert RENDERED_IMPORT_PATH == IMPORT_PATH == "deployments.app:build_app"
 
 
 def test_reference_cluster_places_the_h200_config() -> None:

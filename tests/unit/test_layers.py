@@ -1,8 +1,10 @@
 """The layer contract in pyproject.toml ([tool.importlinter]) holds, and it is a check that can fail.
 
 Layers, top to bottom: specserve (CLI) > deployments (Ray) > evaluation > engine > verifier | draftpool >
-runtime > cluster. `lint-imports` must pass on the repository; a copy of the packages with one upward
-import added (runtime -> engine) and one Ray import outside deployments/ must fail it, naming each.
+runtime > cluster; beside them tools/ (scripts and tests only: no Ray, and no product package imports it).
+`lint-imports` must pass on the repository; a copy of the packages with one upward import added
+(runtime -> engine), one Ray import outside deployments/, one Ray import in tools/ and one import of tools/
+from the product must fail it, naming each.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_repository_keeps_every_contract():
     res = _lint(REPO)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") == 4, res.stdout
+    assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") == 6, res.stdout
 
 
 def test_an_upward_import_and_ray_outside_deployments_break_it(tmp_path):
@@ -47,3 +49,23 @@ def test_an_upward_import_and_ray_outside_deployments_break_it(tmp_path):
     kv.write_text(kv.read_text().replace("from engine import engine as _upward", "import ray as _ray"))
     res = _lint(tmp_path)
     assert res.returncode != 0 and "runtime.kv_cache -> ray" in res.stdout, res.stdout
+
+
+def test_ray_in_tools_and_tools_in_the_product_break_it(tmp_path):
+    for pkg in _packages():
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    assert "tools" in _packages() and _lint(tmp_path).returncode == 0
+
+    loadgen = tmp_path / "tools" / "loadgen.py"
+    clean = loadgen.read_text()
+    loadgen.write_text(clean + "\nimport ray as _ray  # noqa: E402,F401\n")
+    res = _lint(tmp_path)
+    assert res.returncode != 0 and "tools/ imports no Ray" in res.stdout and "BROKEN" in res.stdout, res.stdout
+    assert "tools.loadgen -> ray" in res.stdout, res.stdout
+
+    loadgen.write_text(clean)
+    launch = tmp_path / "deployments" / "launch.py"
+    launch.write_text(launch.read_text() + "\nfrom tools import loadgen as _tool  # noqa: E402,F401\n")
+    res = _lint(tmp_path)
+    assert res.returncode != 0 and "deployments.launch -> tools.loadgen" in res.stdout, res.stdout

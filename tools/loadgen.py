@@ -4,7 +4,8 @@ A small HTTP/1.1 client on asyncio streams — standard library only, no Ray, no
 reliability ledger needs what ordinary clients hide: one connection per request with its own timings
 (first byte, last byte, the longest wait between two server-sent events), events parsed as they arrive,
 a client that hangs up after N events, and exact control of the bytes sent. The process helpers at the
-end (``replica_pid``, ``listening_sockets``) find a local server's replicas to kill and its sockets.
+end (``replica_pid``, ``listening_sockets``, ``off_loopback``) find a local server's replicas to kill and
+its sockets, and the sockets that listen beyond loopback (by ``cluster.config.is_loopback_host``).
 
     target = Target.parse("http://127.0.0.1:8000")
     results = await steady(target, bodies, rate=20.0)        # open-loop arrivals, one every 1/rate s
@@ -36,8 +37,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 from urllib.parse import urlsplit
+
+from cluster.config import is_loopback_host
 
 KINDS = ("ok", "stream_error", "truncated", "rejected", "client_error", "server_error", "hung_up", "transport")
 
@@ -375,8 +378,10 @@ def listening_sockets(root_pid: int) -> list[tuple[str, int, str]]:
                   if c.status == psutil.CONN_LISTEN and c.pid in tree)
 
 
-def is_loopback(address: str) -> bool:
-    return address == "::1" or address.startswith("127.")
+def off_loopback(sockets: Iterable[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """The rows of ``listening_sockets`` whose address is not loopback by ``cluster.config.is_loopback_host``
+    (127.0.0.0/8, ::1, and IPv4-mapped ``::ffff:127.x``: a dual-stack socket bound to 127.0.0.1)."""
+    return [row for row in sockets if not is_loopback_host(row[0])]
 
 
 # -- the ledger ----------------------------------------------------------------------------------------

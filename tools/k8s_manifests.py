@@ -6,7 +6,7 @@
         [--gcs-ft-redis redis:6379 --redis-password-secret redis-password-secret:password]
 
 Files (a run without options writes all three into k8s/; with options, the first two, into --out-dir):
-- ``rayservice.yaml``: a ``RayService`` whose ``serveConfigV2`` is ``scripts/render_serve_config.serve_config``
+- ``rayservice.yaml``: a ``RayService`` whose ``serveConfigV2`` is ``tools.serve_config.serve_config``
   of the same ClusterConfig — the placement (role resources, accelerator types) in the Serve app's args and
   the worker groups below come from one file, so they cannot drift (tests re-render and compare).
 - ``raycluster.yaml``: a ``RayCluster`` with the same layout, for ``serve deploy`` by hand.
@@ -21,7 +21,8 @@ token). The HTTP API key is the Secret ``specserve-api-key`` (key ``api-key``) m
 file ``http.api_key_file`` names (``~`` = the image user's home, /home/ray), which only the ingress reads.
 ``validate_manifest`` checks a manifest against the KubeRay CRD (jsonschema on the served
 version's ``openAPIV3Schema``, plus a strict pass for keys the schema does not define, plus KubeRay's own
-replica-count rules) and its ``serveConfigV2`` against Ray Serve's schema.
+replica-count rules) and its ``serveConfigV2`` with the checker it is given (Ray Serve's schema:
+``deployments.serve_schema.validate_serve_config``, which needs Ray, so this module does not import it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -39,7 +40,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 from cluster.config import ClusterConfig
 from cluster.placement import REFERENCE_NODES, NodeType
-from deployments.serve_config import RenderError, dump_yaml, serve_config, write_or_check
+from tools.serve_config import RenderError, dump_yaml, serve_config, write_or_check
 
 DEFAULT_CONFIG = "cluster/examples/h200.yaml"
 DEFAULT_IMAGE = "registry.example.com/specserve:0.1.0"  # replace: the project image (docs/platform.md)
@@ -282,8 +283,13 @@ def _kuberay_rules(spec: Mapping[str, Any], where: str) -> list[str]:
     return out
 
 
-def validate_manifest(doc: Mapping[str, Any], crd_dir: Path = CRD_DIR) -> list[str]:
-    """Readable problems with a RayService / RayCluster manifest; [] = valid."""
+def validate_manifest(doc: Mapping[str, Any], crd_dir: Path = CRD_DIR, *,
+                      serve_check: Callable[[str], list[str]] | None) -> list[str]:
+    """Readable problems with a RayService / RayCluster manifest; [] = valid.
+
+    ``serve_check`` checks a RayService's ``serveConfigV2`` (pass
+    ``deployments.serve_schema.validate_serve_config``); it is required, so that leaving the Serve config
+    unchecked is a visible choice (``None``)."""
     import jsonschema
 
     kind = doc.get("kind")
@@ -302,10 +308,8 @@ def validate_manifest(doc: Mapping[str, Any], crd_dir: Path = CRD_DIR) -> list[s
         where = "spec.rayClusterConfig" if kind == "RayService" else "spec"
         if isinstance(cluster, Mapping):
             out += _kuberay_rules(cluster, where)
-        if kind == "RayService" and isinstance(spec.get("serveConfigV2"), str):
-            from deployments.serve_config import validate_serve_config
-
-            out += [f"spec.serveConfigV2: {p}" for p in validate_serve_config(spec["serveConfigV2"])]
+        if kind == "RayService" and serve_check is not None and isinstance(spec.get("serveConfigV2"), str):
+            out += [f"spec.serveConfigV2: {p}" for p in serve_check(spec["serveConfigV2"])]
     return out
 
 

@@ -12,6 +12,7 @@ A config with ``http.api_key`` set is refused: the key would sit in clear in a c
 Ray's dashboard; use ``http.api_key_file`` (a file on every node that only the ingress reads).
 
 The same ``serve_config()`` feeds ``serveConfigV2`` of the KubeRay manifests (scripts/render_k8s.py).
+Checking a rendered file against Ray Serve's own schema needs Ray: ``deployments.serve_schema``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 from cluster.config import ClusterConfig
 
 APP_NAME = "specserve"  # the name deployments/launch.py deploys under, too
-IMPORT_PATH = "deployments.app:build_app"
+IMPORT_PATH = "deployments.app:build_app"  # deployments.serve_schema.IMPORT_PATH (a test checks they agree)
 
 # ClusterConfig example → the Serve config the `ray up` launch files deploy.
 RENDERED: dict[str, str] = {
@@ -74,71 +75,6 @@ _Dumper.add_representer(str, _str)
 def dump_yaml(doc: Any) -> str:
     """Deterministic YAML (what the drift tests compare byte for byte)."""
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=100)
-
-
-def _models_in(annotation: Any) -> list[type]:
-    """Pydantic model classes inside an annotation (``Optional[M]``, ``List[M]``, ``M``)."""
-    import typing
-
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
-
-
-def _unknown_serve_keys(doc: Any, model: type, path: str) -> list[str]:
-    """Keys Ray Serve's pydantic models would silently ignore (they allow extra keys)."""
-    if not isinstance(doc, dict):
-        return []
-    fields = model.model_fields
-    names = {n: n for n in fields} | {f.alias: n for n, f in fields.items() if f.alias}
-    out = []
-    for key, value in doc.items():
-        where = f"{path}.{key}" if path else str(key)
-        if key not in names:
-            out.append(f"{where}: unknown key (Ray Serve's {model.__name__} ignores it; known here: "
-                       f"{', '.join(sorted(fields))})")
-            continue
-        for sub in _models_in(fields[names[key]].annotation):
-            items = value if isinstance(value, list) else [value]
-            for i, item in enumerate(items):
-                out += _unknown_serve_keys(item, sub, f"{where}[{i}]" if isinstance(value, list) else where)
-    return out
-
-
-def validate_serve_config(doc: str | dict[str, Any]) -> list[str]:
-    """Readable problems with a Serve config (YAML text or dict); [] = valid.
-
-    Ray Serve's own ``ServeDeploySchema`` (types, required fields), a strict pass for keys its models
-    would ignore, and every specserve application's ``args`` through ``ClusterConfig.from_dict``.
-    """
-    from pydantic import ValidationError
-    from ray.serve.schema import ServeDeploySchema
-
-    if isinstance(doc, str):
-        try:
-            doc = yaml.safe_load(doc)
-        except yaml.YAMLError as e:
-            return [f"not YAML: {e}"]
-    if not isinstance(doc, dict):
-        return [f"expected a mapping, got {type(doc).__name__}"]
-    out: list[str] = []
-    try:
-        ServeDeploySchema.model_validate(doc)
-    except ValidationError as e:
-        out += [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-    out += _unknown_serve_keys(doc, ServeDeploySchema, "")
-    for i, app in enumerate(doc.get("applications") or []):
-        if isinstance(app, dict) and app.get("import_path") == IMPORT_PATH:
-            try:
-                ClusterConfig.from_dict(app.get("args") or {})
-            except ValidationError as e:  # one line per field, key path first
-                out += [f"applications[{i}].args.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                        for err in e.errors()]
-            except ValueError as e:  # ConfigError: already "key.path: reason"
-                out.append(f"applications[{i}].args: {e}")
-    return out
 
 
 def render_file(config_path: str | Path) -> str:
