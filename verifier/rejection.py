@@ -1,7 +1,21 @@
-"""The acceptance rule: one pure function per mode (tensors and randomness in, tokens and counts out).
+"""The acceptance rule: one pure function per mode (tensors and randomness in, tokens and counts out), for
+chains and token trees alike.
 
-Exact mode (``rejection_sample``) is speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
-For draft position i with draft token d_i ~ q_i:
+- ``rejection_sample``: exact mode, for sampled rows (and greedy ones, with one-hot p);
+- ``greedy_accept``: exact mode for all-greedy rows, from the target's argmaxes alone;
+- ``threshold_accept``: the lossy threshold mode (opt-in).
+
+Each takes the drafts as a batch of B rows padded to N positions, with ``num_draft`` per row. Without
+``parents`` a row is a chain (position i's parent is i-1) and the rule runs vectorised over the positions;
+with ``parents`` ([B, N], ``ROOT`` for the children of the committed prefix) a row is a token tree, walked
+node by node (``verifier.tree_acceptance``, which also shows why the tree rule is exact). A chain given as
+a tree (``parents`` = [ROOT, 0, 1, ...]) gets the same outputs bit for bit, only slower. Every entry point
+returns ``Acceptance(output [B, N+1], num_accepted [B], path [B, N])``: row b emits
+``output[b, : num_accepted[b] + 1]``, its accepted drafts (the nodes ``path[b, : num_accepted[b]]``) then
+one recovered or bonus token.
+
+Exact mode is speculative sampling (Leviathan et al. 2023, Chen et al. 2023). For draft position i with
+draft token d_i ~ q_i:
 
     accept d_i  with probability  min(1, p_i(d_i) / q_i(d_i))
 
@@ -10,8 +24,8 @@ accepted, emit the *bonus* token ~ p_γ. The emitted tokens are then distributed
 sampled autoregressively. Greedy rows use one-hot p and q, so the rule is "accept while d_i equals the
 target argmax" and the recovered/bonus token is the argmax — token-identical to greedy decoding.
 
-Threshold mode (``threshold_accept``) is a lossy rule: accept d_i when p_i(d_i) ≥ threshold.
-It changes the output distribution and exists only behind an explicit config opt-in.
+Threshold mode is a lossy rule: accept d_i when p_i(d_i) ≥ threshold. It changes the output distribution
+and exists only behind an explicit config opt-in.
 
 Categorical draws use the exponential-race trick: argmax_v(w_v / E_v) with E_v ~ Exp(1) samples v with
 probability ∝ w_v. The caller supplies the noise, so the function is deterministic given its inputs and
@@ -24,22 +38,26 @@ from __future__ import annotations
 
 import torch
 
-PAD = -1
+from runtime.sampling import race
+from verifier.tree_acceptance import PAD, ROOT, Acceptance, _walk_exact, _walk_first
+
+__all__ = ["PAD", "ROOT", "Acceptance", "rejection_sample", "greedy_accept", "threshold_accept", "adjust_threshold"]
 
 
 def rejection_sample(
-    draft_tokens: torch.Tensor,  # [B, G] int64 (values beyond num_draft ignored)
-    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= G
-    target_probs: torch.Tensor,  # [B, G+1, V] float, warped p at every draft position plus one more
-    draft_probs: torch.Tensor | None,  # [B, G, V] float, warped q; None = one-hot q on draft_tokens
-    uniform: torch.Tensor,  # [B, G] float in [0, 1): the acceptance coin per position
+    draft_tokens: torch.Tensor,  # [B, N] int64 (values beyond num_draft ignored)
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= N
+    target_probs: torch.Tensor,  # [B, N+1, V] float, warped p before the first draft and after every draft
+    draft_probs: torch.Tensor | None,  # [B, N, V] float, warped q of every draft; None = one-hot q on draft_tokens
+    uniform: torch.Tensor,  # [B, N] float in [0, 1): the acceptance coin of every draft
     exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the one recovered/bonus draw per row
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(output [B, G+1] int64 padded with PAD, num_accepted [B] int64)``.
-
-    Row b emits ``output[b, : num_accepted[b] + 1]``: its accepted draft tokens then one recovered or
-    bonus token.
-    """
+    *,
+    parents: torch.Tensor | None = None,  # [B, N] int64, each draft's parent (< own index) or ROOT; None = chains
+) -> Acceptance:
+    """Exact mode (speculative sampling; over a tree, multi-draft speculative sampling). A tree node whose
+    parent index is not smaller than its own is never reached."""
+    if parents is not None:
+        return _walk_exact(parents, draft_tokens, num_draft, target_probs, draft_probs, uniform, exp_noise)
     B, G = draft_tokens.shape
     device = draft_tokens.device
     positions = torch.arange(G, device=device).unsqueeze(0)  # [1, G]
@@ -76,25 +94,28 @@ def rejection_sample(
     # rejection had probability ~0 and p itself is the right fallback.
     residual = torch.where(residual_mass > 0, residual, p_next)
     weights = torch.where(rejected.unsqueeze(1), residual, p_next)  # [B, V]
-    next_token = (weights / exp_noise).argmax(dim=-1)  # [B]
-
-    output = torch.full((B, G + 1), PAD, dtype=torch.long, device=device)
-    output[:, :G] = torch.where(positions < num_accepted.unsqueeze(1), safe_tokens, PAD)
-    output[row, num_accepted] = next_token
-    return output, num_accepted
+    return _chain_result(safe_tokens, positions, row, num_accepted, race(weights, exp_noise))
 
 
 def greedy_accept(
-    draft_tokens: torch.Tensor,  # [B, G] int64 (values beyond num_draft ignored)
-    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= G
-    target_argmax: torch.Tensor,  # [B, G+1] int64, the target's argmax at every draft position plus one more
-) -> tuple[torch.Tensor, torch.Tensor]:
+    draft_tokens: torch.Tensor,  # [B, N] int64 (values beyond num_draft ignored)
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= N
+    target_argmax: torch.Tensor,  # [B, N+1] int64, the target's argmax before the first draft and after every draft
+    *,
+    parents: torch.Tensor | None = None,  # [B, N] int64, as in rejection_sample; None = chains
+) -> Acceptance:
     """``rejection_sample`` for greedy rows, where p and q are one-hot: the same outputs (tested against it),
     computed from the target's argmaxes alone, so a greedy step needs no softmax over the vocabulary.
 
     With one-hot p and q, u·q < p holds exactly when d_i is the argmax, and both the residual at the first
-    mismatch and the bonus distribution are one-hot on the argmax.
+    mismatch and the bonus distribution are one-hot on the argmax: a chain keeps its prefix of drafts equal
+    to the argmax, a tree follows the first child that is the argmax; then the argmax there.
     """
+    if parents is not None:
+        row = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+        return _walk_first(parents, draft_tokens, num_draft,
+                           lambda j, current: draft_tokens[:, j] == target_argmax[row, current + 1],
+                           lambda current: target_argmax[row, current + 1])
     B, G = draft_tokens.shape
     device = draft_tokens.device
     positions = torch.arange(G, device=device).unsqueeze(0)  # [1, G]
@@ -102,23 +123,32 @@ def greedy_accept(
     accepted = (draft_tokens == target_argmax[:, :G]) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     row = torch.arange(B, device=device)
-    output = torch.full((B, G + 1), PAD, dtype=torch.long, device=device)
-    output[:, :G] = torch.where(positions < num_accepted.unsqueeze(1), draft_tokens, PAD)
-    output[row, num_accepted] = target_argmax[row, num_accepted]
-    return output, num_accepted
+    return _chain_result(draft_tokens, positions, row, num_accepted, target_argmax[row, num_accepted])
 
 
 def threshold_accept(
-    draft_tokens: torch.Tensor,  # [B, G] int64
-    num_draft: torch.Tensor,  # [B] int64
-    target_probs: torch.Tensor,  # [B, G+1, V] float, warped p
+    draft_tokens: torch.Tensor,  # [B, N] int64 (values beyond num_draft ignored)
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= N
+    target_probs: torch.Tensor,  # [B, N+1, V] float, warped p before the first draft and after every draft
     threshold: torch.Tensor,  # [B] float in (0, 1]
-    exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the token after the accepted prefix
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossy acceptance: keep d_i while p_i(d_i) ≥ threshold; then one token sampled from p.
+    exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the token after the accepted drafts
+    *,
+    parents: torch.Tensor | None = None,  # [B, N] int64, as in rejection_sample; None = chains
+) -> Acceptance:
+    """Lossy acceptance: keep d_i while p_i(d_i) ≥ threshold (a tree: follow the first child whose token the
+    target gives at least ``threshold`` after the current node); then one token sampled from p.
 
-    Same output contract as ``rejection_sample``. Not distribution-preserving: opt-in only.
+    Not distribution-preserving: opt-in only.
     """
+    if parents is not None:
+        row = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+        safe = draft_tokens.clamp(0, target_probs.shape[-1] - 1)
+
+        def passes(j: int, current: torch.Tensor) -> torch.Tensor:  # current [B] → [B] bool
+            return target_probs[row, current + 1].gather(-1, safe[:, j : j + 1]).squeeze(-1) >= threshold
+
+        return _walk_first(parents, draft_tokens, num_draft, passes,
+                           lambda current: race(target_probs[row, current + 1], exp_noise))
     B, G = draft_tokens.shape
     device = draft_tokens.device
     positions = torch.arange(G, device=device).unsqueeze(0)
@@ -128,11 +158,24 @@ def threshold_accept(
     accepted = (p_draft >= threshold.unsqueeze(1)) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     row = torch.arange(B, device=device)
-    next_token = (target_probs[row, num_accepted] / exp_noise).argmax(dim=-1)
-    output = torch.full((B, G + 1), PAD, dtype=torch.long, device=device)
-    output[:, :G] = torch.where(positions < num_accepted.unsqueeze(1), safe_tokens, PAD)
+    return _chain_result(safe_tokens, positions, row, num_accepted, race(target_probs[row, num_accepted], exp_noise))
+
+
+def _chain_result(
+    draft_tokens: torch.Tensor,  # [B, G] int64
+    positions: torch.Tensor,  # [1, G] int64, 0..G-1
+    row: torch.Tensor,  # [B] int64, 0..B-1
+    num_accepted: torch.Tensor,  # [B] int64, the length of the accepted prefix
+    next_token: torch.Tensor,  # [B] int64, the recovered/bonus token
+) -> Acceptance:
+    """A chain's ``Acceptance``: the accepted prefix of drafts, then ``next_token``; the path is the prefix's
+    positions."""
+    B, G = draft_tokens.shape
+    kept = positions < num_accepted.unsqueeze(1)  # [B, G]
+    output = torch.full((B, G + 1), PAD, dtype=torch.long, device=draft_tokens.device)
+    output[:, :G] = torch.where(kept, draft_tokens, PAD)
     output[row, num_accepted] = next_token
-    return output, num_accepted
+    return Acceptance(output, num_accepted, torch.where(kept, positions, PAD))
 
 
 def adjust_threshold(threshold: float, acceptance_rate: float, target_rate: float = 0.7) -> float:

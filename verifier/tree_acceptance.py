@@ -1,4 +1,8 @@
-"""Exact acceptance over a token tree: several candidate continuations per sequence, verified in one target pass.
+"""Acceptance over a token tree: several candidate continuations per sequence, verified in one target pass.
+
+This module is the tree branch of the acceptance rule and the argument that it is exact; callers use the one
+entry point per mode in ``verifier.rejection`` (``rejection_sample``, ``greedy_accept``, ``threshold_accept``,
+each taking ``parents`` for a tree), which sends a tree here and keeps a vectorised branch for chains.
 
 A sequence's proposal tree is three tensors over its n nodes, in topological order (a node's parent has a
 smaller index, so a node comes after its ancestors):
@@ -10,8 +14,8 @@ smaller index, so a node comes after its ancestors):
 
 A chain of γ drafts is the tree ``parents = [-1, 0, 1, ..., γ-2]``. One verify pass over the tree gives the
 target's warped distribution after the prefix (``target_probs`` row 0) and after every node i (row i+1).
-Like ``rejection_sample``, the functions take a batch of such trees padded to N nodes (``num_nodes`` per
-row; one sequence is a batch of one) and are tensor ops only, with no read back to the host.
+The walks take a batch of such trees padded to N nodes (``num_nodes`` per row; one sequence is a batch of
+one) and are tensor ops only, with no read back to the host.
 
 The rule is multi-draft speculative sampling (SpecInfer's "multi-step speculative sampling", Miao et al.
 2024; also called recursive rejection sampling). Starting at the root with residual r = p (the target's
@@ -55,34 +59,36 @@ drawn given the same path, so condition 1 holds.
 
 Greedy rows have one-hot p (``runtime.sampling.warp_probs`` at temperature 0): the rule accepts the first
 child whose token is the target's argmax, and the recovered or bonus token is the argmax — greedy decoding.
-``greedy_accept_tree`` computes the same from the argmaxes alone.
+``greedy_accept`` computes the same from the argmaxes alone.
 
-Randomness: one acceptance coin per node (counter = node index, so a chain uses the same coins as
-``rejection_sample``) and one Exp(1) noise vector per row for the single recovered/bonus draw (the
+Randomness: one acceptance coin per node (counter = node index, so a chain uses the same coins as the
+chain branch) and one Exp(1) noise vector per row for the single recovered/bonus draw (the
 exponential race, ``runtime.sampling.race``); the caller supplies both, so the function is deterministic
 given them. The residual is kept unnormalised with its total (acceptance test u·q(x)·mass < r(x), no
-division; a target row has mass 1): a width-1 tree gives ``rejection_sample``'s outputs bit for bit.
+division; a target row has mass 1): a width-1 tree gives the chain branch's outputs bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from runtime.sampling import race
-from verifier.rejection import PAD
 
+PAD = -1  # fills ``output`` and ``path`` past what a row emits
 ROOT = -1  # the parent of the first tokens of a tree: the committed prefix
 
 
-class TreeAcceptance(NamedTuple):
-    output: torch.Tensor  # [B, N+1] int64: the accepted path's tokens, then the recovered/bonus token; PAD after
-    num_accepted: torch.Tensor  # [B] int64: accepted nodes (the depth reached)
-    path: torch.Tensor  # [B, N] int64: the accepted nodes' indices, root to leaf; PAD after
+class Acceptance(NamedTuple):
+    """What every acceptance entry point returns, for a chain or a tree of N positions."""
+
+    output: torch.Tensor  # [B, N+1] int64: the accepted tokens, then the recovered/bonus token; PAD after
+    num_accepted: torch.Tensor  # [B] int64: accepted drafts (a tree: the depth reached)
+    path: torch.Tensor  # [B, N] int64: the accepted nodes' indices, root to leaf (a chain: 0..n-1); PAD after
 
 
-def tree_rejection_sample(
+def _walk_exact(
     parents: torch.Tensor,  # [B, N] int64, parent node index (< own index) or ROOT; values beyond num_nodes ignored
     tokens: torch.Tensor,  # [B, N] int64 (values beyond num_nodes ignored)
     num_nodes: torch.Tensor,  # [B] int64, 0 <= num_nodes <= N
@@ -90,10 +96,9 @@ def tree_rejection_sample(
     draft_probs: torch.Tensor | None,  # [B, N, V] float, warped q of every node; None = one-hot q on tokens
     uniform: torch.Tensor,  # [B, N] float in [0, 1): the acceptance coin of every node
     exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the one recovered/bonus draw per row
-) -> TreeAcceptance:
-    """Row b emits ``output[b, : num_accepted[b] + 1]``: the tokens of the accepted nodes ``path[b, :
-    num_accepted[b]]``, then one recovered or bonus token. A node whose parent index is not smaller than
-    its own is never reached (the walk only moves to higher indices)."""
+) -> Acceptance:
+    """The tree branch of ``verifier.rejection.rejection_sample``: the walk of the module docstring. A node
+    whose parent index is not smaller than its own is never reached (the walk only moves to higher indices)."""
     B, N = tokens.shape
     device = tokens.device
     row = torch.arange(B, device=device)
@@ -120,7 +125,7 @@ def tree_rejection_sample(
             q = draft_probs[:, j]
             q_x = q.gather(-1, x).squeeze(-1)
         # u < r(x) / (q(x)·mass) without division; a token outside its own q's support is rejected, as in
-        # rejection_sample.
+        # the chain branch.
         accepted = tried & (uniform[:, j] * q_x * mass < r_x) & (q_x > 0)
         # Rejected: residual ← max(0, r/mass − q), kept scaled by mass. If rounding leaves nothing, the
         # rejection had probability ~0 (r = q) and the residual so far is the right fallback.
@@ -139,46 +144,19 @@ def tree_rejection_sample(
         current = torch.where(accepted, j, current)
 
     output[row, num_accepted] = race(residual, exp_noise)
-    return TreeAcceptance(output, num_accepted, path)
+    return Acceptance(output, num_accepted, path)
 
 
-def greedy_accept_tree(
-    parents: torch.Tensor,  # [B, N] int64, as in tree_rejection_sample
+def _walk_first(
+    parents: torch.Tensor,  # [B, N] int64, as in _walk_exact
     tokens: torch.Tensor,  # [B, N] int64
     num_nodes: torch.Tensor,  # [B] int64
-    target_argmax: torch.Tensor,  # [B, N+1] int64, the target's argmax after the prefix and after every node
-) -> TreeAcceptance:
-    """``tree_rejection_sample`` for greedy rows (one-hot p and q): the same outputs (tested against it) from
-    the target's argmaxes alone — follow the first child that is the argmax, then emit the argmax there."""
-    row = torch.arange(tokens.shape[0], device=tokens.device)
-    return _follow(parents, tokens, num_nodes, lambda j, current: tokens[:, j] == target_argmax[row, current + 1],
-                   lambda current: target_argmax[row, current + 1])
-
-
-def tree_threshold_accept(
-    parents: torch.Tensor,  # [B, N] int64, as in tree_rejection_sample
-    tokens: torch.Tensor,  # [B, N] int64
-    num_nodes: torch.Tensor,  # [B] int64
-    target_probs: torch.Tensor,  # [B, N+1, V] float, warped p after the prefix and after every node
-    threshold: torch.Tensor,  # [B] float in (0, 1]
-    exp_noise: torch.Tensor,  # [B, V] float, Exp(1) noise for the token after the accepted path
-) -> TreeAcceptance:
-    """The lossy threshold rule (``rejection.threshold_accept``) over a tree: follow the first child whose
-    token the target gives at least ``threshold`` probability after the current node, then sample one token
-    from p there. Not distribution-preserving: opt-in only. A chain gives ``threshold_accept``'s outputs."""
-    row = torch.arange(tokens.shape[0], device=tokens.device)
-    safe = tokens.clamp(0, target_probs.shape[-1] - 1)
-
-    def passes(j, current):
-        return target_probs[row, current + 1].gather(-1, safe[:, j : j + 1]).squeeze(-1) >= threshold
-
-    return _follow(parents, tokens, num_nodes, passes, lambda current: race(target_probs[row, current + 1], exp_noise))
-
-
-def _follow(parents: torch.Tensor, tokens: torch.Tensor, num_nodes: torch.Tensor,  # as in greedy_accept_tree
-            takes, last) -> TreeAcceptance:
-    """The deterministic walk down a tree: from the root, the first child (in index order) that
-    ``takes(j, current)`` is accepted; then ``last(current)`` is the token after the accepted path."""
+    takes: Callable[[int, torch.Tensor], torch.Tensor],  # (node j, current [B]) → [B] bool: would accept node j
+    last: Callable[[torch.Tensor], torch.Tensor],  # current [B] → [B] int64: the token after the accepted path
+) -> Acceptance:
+    """The deterministic walk down a tree (the tree branch of ``greedy_accept`` and ``threshold_accept``):
+    from the root, the first child (in index order) that ``takes(j, current)`` is accepted; then
+    ``last(current)`` is the token after the accepted path."""
     B, N = tokens.shape
     device = tokens.device
     row = torch.arange(B, device=device)
@@ -194,4 +172,4 @@ def _follow(parents: torch.Tensor, tokens: torch.Tensor, num_nodes: torch.Tensor
         num_accepted = num_accepted + accepted.long()
         current = torch.where(accepted, j, current)
     output[row, num_accepted] = last(current)
-    return TreeAcceptance(output, num_accepted, path)
+    return Acceptance(output, num_accepted, path)

@@ -2,18 +2,17 @@
 
 For row b with committed tokens x and drafts d_1..d_γ, the target is fed the uncached tail of
 x + d_1..d_γ and returns logits at the γ+1 positions that predict d_1..d_γ and the token after them.
-``rejection_sample`` (or the opt-in ``threshold_accept``) picks the accepted prefix plus one
-recovered/bonus token, and the verifier commits those to its copy of the sequence. Rolling the KV cache
-back is implicit: the rejected drafts' K/V stay in the slot past the committed length and are
-overwritten by the next forward.
+``greedy_accept`` (all-greedy batches) or ``rejection_sample`` (or the opt-in ``threshold_accept``) picks
+the accepted prefix plus one recovered/bonus token, and the verifier commits those to its copy of the
+sequence. Rolling the KV cache back is implicit: the rejected drafts' K/V stay in the slot past the
+committed length and are overwritten by the next forward.
 
 A proposal that carries a token tree (``ProposalBatch.parents``, issue 15) is scored by one
-``ModelRunner.tree_forward`` over every node; ``greedy_accept_tree`` (all-greedy batches),
-``tree_rejection_sample`` (or the opt-in ``tree_threshold_accept``) picks the accepted path plus one token, and
-``ModelRunner.commit_paths`` moves the path's K/V to where a chain would have written them. The outcome is
-the same as a chain's: the emitted tokens, with the tree's depth as the positions proposed. Trees carry no
-draft q (one-hot q: the n-gram proposer, the draft model's top-k trees, merged branch chains); a tree with q
-is refused before any sync or forward.
+``ModelRunner.tree_forward`` over every node; the same entry points, given the tree's ``parents``, pick the
+accepted path plus one token, and ``ModelRunner.commit_paths`` moves the path's K/V to where a chain would
+have written them. The outcome is the same as a chain's: the emitted tokens, with the tree's depth as the
+positions proposed. Trees carry no draft q (one-hot q: the n-gram proposer, the draft model's top-k trees,
+merged branch chains); a tree with q is refused before any sync or forward.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from runtime.runner import ModelRunner
 from runtime.sampling import sampling_tensors, warp_probs
 from runtime.token_tree import depths
-from verifier.rejection import adjust_threshold, greedy_accept, rejection_sample, threshold_accept
-from verifier.tree_acceptance import greedy_accept_tree, tree_rejection_sample, tree_threshold_accept
+from verifier.rejection import ROOT, Acceptance, adjust_threshold, greedy_accept, rejection_sample, threshold_accept
 
 
 @dataclass
@@ -84,17 +82,17 @@ class VerifyStage:
             trees.append(proposal.row_parents(b) if b is not None else [])
         G = max(len(d) for d in drafts)
         ids = [it.sync.seq_id for it in live]
+        prop_rows = [prop_row.get(it.sync.seq_id, 0) for it in live]
         if proposal.parents is not None and G:
             logits = self.runner.tree_forward(ids, trees, drafts)
-            output, accepted, path = self._accept_tree(live, drafts, trees, proposal, logits[:, : G + 1])
+            output, accepted, path = self._accept(live, drafts, trees, prop_rows, proposal, logits[:, : G + 1])
             # The step's one read back: emitted tokens, counts and accepted paths, O(B·nodes) integers.
             output, accepted, path = (t.tolist() for t in fetch(output, accepted, path))
             self.runner.commit_paths(ids, [p[:n] for p, n in zip(path, accepted)])
             proposed = [max(depths(t), default=-1) + 1 for t in trees]
         else:
             logits = self.runner.forward(ids, drafts, [len(d) + 1 for d in drafts])
-            output, accepted = self._accept(live, drafts, [prop_row.get(it.sync.seq_id, 0) for it in live],
-                                            proposal, logits[:, : G + 1])
+            output, accepted, _ = self._accept(live, drafts, None, prop_rows, proposal, logits[:, : G + 1])
             # The step's one read back: emitted tokens and counts, O(B·γ) integers.
             output, accepted = fetch(output, accepted)
             output, accepted = output.tolist(), accepted.tolist()
@@ -124,54 +122,43 @@ class VerifyStage:
             raise ValueError("a token-tree proposal must carry no draft q (q_ids/q_probs None): trees are verified "
                              "with one-hot q, which is exact for any proposal drawn independently of the verifier")
 
-    def _accept(self, live: Sequence[VerifyItem], drafts: list[list[int]], prop_rows: list[int],
-                proposal: ProposalBatch, logits: torch.Tensor,  # [B, G+1, V] on the runner's device
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # output [B, G+1], accepted [B], on the device
-        """The acceptance rule where the logits are: nothing of size V leaves the device.
+    def _accept(self, live: Sequence[VerifyItem], drafts: list[list[int]], parents: list[list[int]] | None,
+                prop_rows: list[int], proposal: ProposalBatch,
+                logits: torch.Tensor,  # [B, N+1, V] on the runner's device
+                ) -> Acceptance:  # output [B, N+1], num_accepted [B], path [B, N], on the device
+        """The acceptance rule where the logits are: nothing of size V leaves the device. ``parents`` None:
+        every row is a chain; otherwise row b is the tree ``parents[b]`` over the nodes ``drafts[b]``.
 
         All-greedy batches compare argmaxes (``greedy_accept``: no softmax over the vocabulary). Otherwise p is
         warped on the device and the rule draws its coins and its noise from each row's counter-based stream
-        (``runtime.rng``), keyed by (seed, committed length): the same draws whatever the batch or device.
+        (``runtime.rng``), keyed by (seed, committed length): the same draws whatever the batch or device, and
+        for a tree the same as for a chain (one coin per node, counter = node index).
         """
-        B, G = len(live), logits.shape[1] - 1
+        B, N = len(live), logits.shape[1] - 1
         dev = logits.device
-        lengths = [len(d) for d in drafts]
-        draft_rows = torch.tensor([d + [0] * (G - len(d)) + [n] for d, n in zip(drafts, lengths)],
-                                  dtype=torch.long).view(B, G + 1)
-        draft_rows = to_device(draft_rows, dev)
-        draft_tokens, num_draft = draft_rows[:, :G], draft_rows[:, G]
+
+        def pad(xs: list[int], fill: int) -> list[int]:
+            return xs + [fill] * (N - len(xs))
+
+        # One host-to-device copy: per row the tokens, a tree's parents, the number of drafts.
+        rows = [pad(d, 0) + [len(d)] for d in drafts] if parents is None else \
+            [pad(d, 0) + pad(p, ROOT) + [len(d)] for d, p in zip(drafts, parents)]
+        rows = to_device(torch.tensor(rows, dtype=torch.long).view(B, -1), dev)
+        draft_tokens, num_draft = rows[:, :N], rows[:, -1]
+        tree_parents = None if parents is None else rows[:, N : 2 * N]  # [B, N]
         threshold = self.acceptance.mode == "threshold"
         if all(it.sampling.greedy for it in live) and not threshold:
-            return greedy_accept(draft_tokens, num_draft, logits.argmax(-1))
+            return greedy_accept(draft_tokens, num_draft, logits.argmax(-1), parents=tree_parents)
         target_probs, noise, coin_keys = self._target_draws(live, logits)
         if threshold:
             return threshold_accept(draft_tokens, num_draft, target_probs,
-                                    torch.full((B,), self.threshold, device=dev), noise)
-        uniform = rng.uniform(coin_keys, torch.arange(G, device=dev))
-        q = densify_q(proposal, prop_rows, logits.shape[-1], dev) if G else None
-        if q is not None:
-            q = q[:, :G]
-        return rejection_sample(draft_tokens, num_draft, target_probs, q, uniform, noise)
-
-    def _accept_tree(self, live: Sequence[VerifyItem], nodes: list[list[int]], parents: list[list[int]],
-                     proposal: ProposalBatch, logits: torch.Tensor,  # [B, N+1, V] on the runner's device
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # output [B, N+1], accepted [B], path [B, N]
-        """``_accept`` for token trees: the same draws (one coin per node, counter = node index)."""
-        B, N = len(live), logits.shape[1] - 1
-        dev = logits.device
-        rows = torch.tensor([t + [0] * (N - len(t)) + p + [-1] * (N - len(p)) + [len(t)]
-                             for t, p in zip(nodes, parents)], dtype=torch.long).view(B, 2 * N + 1)
-        rows = to_device(rows, dev)
-        tokens, tree, num_nodes = rows[:, :N], rows[:, N:2 * N], rows[:, 2 * N]
-        threshold = self.acceptance.mode == "threshold"
-        if all(it.sampling.greedy for it in live) and not threshold:
-            return greedy_accept_tree(tree, tokens, num_nodes, logits.argmax(-1))
-        target_probs, noise, coin_keys = self._target_draws(live, logits)
-        if threshold:
-            return tree_threshold_accept(tree, tokens, num_nodes, target_probs,
-                                         torch.full((B,), self.threshold, device=dev), noise)
+                                    torch.full((B,), self.threshold, device=dev), noise, parents=tree_parents)
         uniform = rng.uniform(coin_keys, torch.arange(N, device=dev))
-        return tree_rejection_sample(tree, tokens, num_nodes, target_probs, None, uniform, noise)
+        # Trees carry no q (_check_tree refused one): densify_q gives None for them.
+        q = densify_q(proposal, prop_rows, logits.shape[-1], dev) if N else None
+        if q is not None:
+            q = q[:, :N]
+        return rejection_sample(draft_tokens, num_draft, target_probs, q, uniform, noise, parents=tree_parents)
 
     def _target_draws(self, live: Sequence[VerifyItem], logits: torch.Tensor,  # [B, T, V]
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # p [B, T, V], noise [B, V], keys [B, 1, 2]

@@ -129,6 +129,6 @@ def test_chi2_device_sampling(device, temperature, top_k, top_p):
                         torch.arange(1, device=device))
     noise = rng.exponential(rng.stream_keys(list(range(N)), [3] * N, rng.VERIFY_NOISE, device).unsqueeze(1),
                             torch.arange(V, device=device))
-    out, _ = rejection_sample(drafts, torch.ones(N, dtype=torch.long, device=device), p.unsqueeze(1).expand(N, 2, V),
-                              q, coins, noise)
+    out = rejection_sample(drafts, torch.ones(N, dtype=torch.long, device=device), p.unsqueeze(1).expand(N, 2, V),
+                           q, coins, noise).output
     assert chi2_pvalue(out[:, 0].cpu(), p[0].cpu()) > P_MIN

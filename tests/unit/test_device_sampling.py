@@ -106,12 +106,12 @@ def test_rejection_rule_with_rng_draws_emits_p():
                                                                   .unsqueeze(1), counters)) for i in range(2)], 1)
     coins = rng.uniform(_keys(rng.VERIFY_COIN).unsqueeze(1), torch.arange(2))
     noise = rng.exponential(_keys(rng.VERIFY_NOISE).unsqueeze(1), counters)
-    out, acc = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), coins, noise)
+    out, acc, _ = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), coins, noise)
     assert chi2_pvalue(out[:, 0], p[0]) > P_MIN
     assert chi2_pvalue(out[acc >= 1, 1], p[1]) > P_MIN
     # Negative control: coins from the draft's own noise stream are correlated with the drafts.
     bad_coins = rng.uniform(_keys(rng.DRAFT_TOKEN).unsqueeze(1), drafts[:, :1]).expand(N, 2)
-    bad, _ = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), bad_coins, noise)
+    bad, _, _ = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), bad_coins, noise)
     assert chi2_pvalue(bad[:, 0], p[0]) < P_MIN
 
 
@@ -129,4 +129,4 @@ def test_greedy_accept_is_rejection_sample_on_one_hot():
     expected = rejection_sample(drafts, num_draft, p, None, torch.rand(B, G, generator=gen),
                                 rng.exponential(_keys(rng.VERIFY_NOISE, n=B).unsqueeze(1), torch.arange(V)))
     got = greedy_accept(drafts, num_draft, argmax)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))

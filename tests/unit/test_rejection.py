@@ -64,11 +64,13 @@ TABLE = [
 @pytest.mark.parametrize("sampled_q", [False, True], ids=["greedy-q-None", "dense-one-hot-q"])
 @pytest.mark.parametrize("name,draft,num_draft,target,expected,accepted", TABLE, ids=[t[0] for t in TABLE])
 def test_table(name, draft, num_draft, target, expected, accepted, sampled_q):
+    G = len(draft[0])
     for seed in range(3):  # the coins and the noise cannot change a one-hot outcome
-        output, num_accepted = _run(draft, num_draft, target, sampled_q=sampled_q, seed=seed)
+        output, num_accepted, path = _run(draft, num_draft, target, sampled_q=sampled_q, seed=seed)
         assert output.tolist() == expected
         assert num_accepted.tolist() == accepted
-        assert output.dtype == num_accepted.dtype == torch.long
+        assert path.tolist() == [[i if i < n else PAD for i in range(G)] for n in accepted]  # a chain's path
+        assert output.dtype == num_accepted.dtype == path.dtype == torch.long
 
 
 def test_recovered_token_excludes_the_rejected_draft():
@@ -80,7 +82,7 @@ def test_recovered_token_excludes_the_rejected_draft():
     for coin, expected in [(0.49, [3, 5]), (0.51, [4, PAD]), (0.99, [4, PAD])]:
         for q in (None, _one_hot_probs([[3]])):
             noise = torch.empty(1, V).exponential_(generator=torch.Generator().manual_seed(1))
-            out, _ = rejection_sample(draft, torch.tensor([1]), p, q, torch.tensor([[coin]]), noise)
+            out, _, _ = rejection_sample(draft, torch.tensor([1]), p, q, torch.tensor([[coin]]), noise)
             assert out.tolist() == [expected]
 
 
@@ -89,7 +91,7 @@ def test_draft_outside_its_own_support_is_rejected():
     p = torch.full((1, 2, V), 1.0 / V)
     q = torch.zeros(1, 1, V)
     q[0, 0, 0] = 1.0  # the draft token 7 has q = 0
-    out, acc = rejection_sample(torch.tensor([[7]]), torch.tensor([1]), p, q, torch.zeros(1, 1), torch.ones(1, V))
+    out, acc, _ = rejection_sample(torch.tensor([[7]]), torch.tensor([1]), p, q, torch.zeros(1, 1), torch.ones(1, V))
     assert acc.tolist() == [0]
     assert out[0, 0].item() != 7
 
@@ -101,7 +103,7 @@ def test_pure_function():
     args = (torch.randint(0, V, (4, 2), generator=gen), torch.tensor([2, 1, 0, 2]), p, q,
             torch.rand(4, 2, generator=gen), torch.empty(4, V).exponential_(generator=gen))
     a, b = rejection_sample(*args), rejection_sample(*args)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # -- identity: p == q accepts everything ------------------------------------------------------------------
@@ -115,8 +117,8 @@ def test_identical_p_and_q_accept_everything(temperature, top_k, top_p):
     probs = _warp(logits, temperature, top_k, top_p)
     drafts = torch.multinomial(probs[:, :G].reshape(-1, V), 1, generator=gen).view(B, G)
     num_draft = torch.randint(0, G + 1, (B,), generator=gen)
-    out, acc = rejection_sample(drafts, num_draft, probs, probs[:, :G], torch.rand(B, G, generator=gen),
-                                torch.empty(B, V).exponential_(generator=gen))
+    out, acc, _ = rejection_sample(drafts, num_draft, probs, probs[:, :G], torch.rand(B, G, generator=gen),
+                                   torch.empty(B, V).exponential_(generator=gen))
     assert torch.equal(acc, num_draft)  # acceptance exactly 1.0
     positions = torch.arange(G).unsqueeze(0)
     assert torch.equal(torch.where(positions < num_draft.unsqueeze(1), out[:, :G], drafts),
@@ -130,8 +132,8 @@ def test_greedy_identity_one_hot():
     zeros = torch.zeros(64)
     probs = warp_probs(logits, zeros, zeros.long(), zeros + 1)
     argmax = logits.argmax(-1)
-    out, acc = rejection_sample(argmax[:, :4], torch.full((64,), 4), probs, None, torch.rand(64, 4, generator=gen),
-                                torch.ones(64, V))
+    out, acc, _ = rejection_sample(argmax[:, :4], torch.full((64,), 4), probs, None,
+                                   torch.rand(64, 4, generator=gen), torch.ones(64, V))
     assert acc.tolist() == [4] * 64
     assert torch.equal(out, argmax)
 
@@ -176,7 +178,7 @@ def _chain(seed: int, temperature: float, top_k: int, top_p: float):
 def test_chi2_per_position(temperature, top_k, top_p):
     p, q, drafts, uniform, noise = _chain(11, temperature, top_k, top_p)
     assert (p[:2] - q).abs().sum(-1).min() > 0.2  # p and q really differ
-    out, acc = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), uniform, noise)
+    out, acc, _ = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), q.expand(N, 2, V), uniform, noise)
 
     # Position 0: always emitted.
     assert chi2_pvalue(out[:, 0], p[0]) > P_MIN
@@ -205,7 +207,7 @@ def test_chi2_ragged_num_draft(temperature, top_k, top_p):
     p, q, drafts, uniform, noise = _chain(12, temperature, top_k, top_p)
     num_draft = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(0))
     drafts = torch.where(torch.arange(2) < num_draft.unsqueeze(1), drafts, V - 1)  # garbage beyond num_draft
-    out, acc = rejection_sample(drafts, num_draft, p.expand(N, 3, V), q.expand(N, 2, V), uniform, noise)
+    out, acc, _ = rejection_sample(drafts, num_draft, p.expand(N, 3, V), q.expand(N, 2, V), uniform, noise)
     assert (acc <= num_draft).all()
     for k in range(3):
         assert chi2_pvalue(out[num_draft == k, 0], p[0]) > P_MIN
@@ -218,7 +220,7 @@ def test_chi2_deterministic_draft(temperature, top_k, top_p):
     """A deterministic proposal (n-gram: q one-hot, ``draft_probs=None``) is exact for sampled p too."""
     p, _, _, uniform, noise = _chain(13, temperature, top_k, top_p)
     drafts = torch.tensor([[int(p[0].argmax()), 5]]).expand(N, 2)  # one likely and one arbitrary draft
-    out, acc = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), None, uniform, noise)
+    out, acc, _ = rejection_sample(drafts, torch.full((N,), 2), p.expand(N, 3, V), None, uniform, noise)
     assert chi2_pvalue(out[:, 0], p[0]) > P_MIN
     assert chi2_pvalue(out[acc >= 1, 1], p[1]) > P_MIN
 
@@ -228,14 +230,14 @@ def test_chi2_negative_controls():
     p, q, drafts, uniform, noise = _chain(11, 1.0, 0, 1.0)
     pb, qb = p.expand(N, 3, V), q.expand(N, 2, V)
     # Always accept: coins of 0 and a one-hot q make every draft with p > 0 accepted → x_0 ~ q_0.
-    out, acc = rejection_sample(drafts, torch.full((N,), 2), pb, None, torch.zeros(N, 2), noise)
+    out, acc, _ = rejection_sample(drafts, torch.full((N,), 2), pb, None, torch.zeros(N, 2), noise)
     assert bool((acc == 2).all())
     assert chi2_pvalue(out[:, 0], p[0]) < P_MIN
     # Verify against a q the drafts were not drawn from (uniform): acceptance and residual are both wrong.
-    out, _ = rejection_sample(drafts, torch.full((N,), 2), pb, torch.full((N, 2, V), 1.0 / V), uniform, noise)
+    out, _, _ = rejection_sample(drafts, torch.full((N,), 2), pb, torch.full((N, 2, V), 1.0 / V), uniform, noise)
     assert chi2_pvalue(out[:, 0], p[0]) < P_MIN
     # Sanity: the correct rule on the same data passes.
-    out, _ = rejection_sample(drafts, torch.full((N,), 2), pb, qb, uniform, noise)
+    out, _, _ = rejection_sample(drafts, torch.full((N,), 2), pb, qb, uniform, noise)
     assert chi2_pvalue(out[:, 0], p[0]) > P_MIN
 
 
@@ -247,7 +249,7 @@ def test_threshold_accept_table():
     p[:, :, 0] = 0.2
     p[:, :, 1] = 0.8  # every position: token 1 has p 0.8, token 0 has 0.2
     drafts = torch.tensor([[1, 1], [1, 0], [0, 1]])
-    out, acc = threshold_accept(drafts, torch.tensor([2, 2, 1]), p, torch.full((3,), 0.5), torch.ones(3, V))
+    out, acc, _ = threshold_accept(drafts, torch.tensor([2, 2, 1]), p, torch.full((3,), 0.5), torch.ones(3, V))
     assert acc.tolist() == [2, 1, 0]
     assert out.tolist() == [[1, 1, 1], [1, 1, PAD], [1, PAD, PAD]]
 

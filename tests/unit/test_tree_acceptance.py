@@ -1,12 +1,13 @@
-"""Acceptance over a token tree (verifier/tree_acceptance.py, docs/design.md#tree-acceptance).
+"""Acceptance over a token tree: verifier/rejection.py's entry points given ``parents``, which walk the tree in
+verifier/tree_acceptance.py (docs/design.md#tree-acceptance).
 
 - Table tests on hand-built trees with ±100 logits (p and q one-hot: every outcome is deterministic), for
-  ``tree_rejection_sample`` with no q and with dense one-hot q, and for ``greedy_accept_tree``.
+  ``rejection_sample`` with no q and with dense one-hot q, and for ``greedy_accept`` (each given ``parents``).
 - Greedy identity: on random trees holding the greedy continuation somewhere, the emitted tokens are plain
   greedy decoding and the accepted depth is the deepest the tree allows (checked by a walk over explicit
   child lists).
-- Chain equivalence: a width-1 tree gives ``rejection_sample``'s (``greedy_accept``'s) outputs bit for bit,
-  with coins and noise from the verify streams of ``runtime.rng``.
+- Chain equivalence: a width-1 tree given as ``parents`` gets the chain branch's outputs bit for bit (all three
+  modes), with coins and noise from the verify streams of ``runtime.rng``.
 - χ² per output position (vocab 16, 60k rows, width 2–8, fixed seeds): the target is a position-dependent
   Markov model, so the token at position t given the token before it must follow the warped p_t(·|prev).
   Trees: independent draft chains (each child with its own q ≠ p), the same chains with common prefixes
@@ -34,8 +35,7 @@ from scipy.stats import chi2
 from runtime import rng
 from runtime.sampling import race, warp_probs
 from tests.unit.helpers import P_MIN
-from verifier.rejection import PAD, greedy_accept, rejection_sample, threshold_accept
-from verifier.tree_acceptance import ROOT, greedy_accept_tree, tree_rejection_sample, tree_threshold_accept
+from verifier.rejection import PAD, ROOT, greedy_accept, rejection_sample, threshold_accept
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,6 +53,11 @@ def _one_hot_probs(argmax: list[int], vocab: int = V) -> torch.Tensor:
 def _noise(B: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return gen, torch.empty(B, V).exponential_(generator=gen)
+
+
+def _sample_tree(parents, *args):
+    """``rejection_sample`` on tree arguments in the order ``_reference`` takes them (parents first)."""
+    return rejection_sample(*args, parents=parents)
 
 
 # -- table tests ------------------------------------------------------------------------------------------
@@ -105,9 +110,9 @@ def _all_rules(parents, tokens, num_nodes, argmax, seed: int):
     q = _one_hot_probs(tokens.reshape(-1).tolist()).view(B, N, V)
     gen, noise = _noise(B, seed)
     uniform = torch.rand(B, N, generator=gen)
-    return [tree_rejection_sample(parents, tokens, num_nodes, p, None, uniform, noise),
-            tree_rejection_sample(parents, tokens, num_nodes, p, q, uniform, noise),
-            greedy_accept_tree(parents, tokens, num_nodes, argmax)]
+    return [rejection_sample(tokens, num_nodes, p, None, uniform, noise, parents=parents),
+            rejection_sample(tokens, num_nodes, p, q, uniform, noise, parents=parents),
+            greedy_accept(tokens, num_nodes, argmax, parents=parents)]
 
 
 @pytest.mark.parametrize("name,tree,num_nodes,target,expected,path", TABLE, ids=[t[0] for t in TABLE])
@@ -144,7 +149,8 @@ def test_recovered_token_excludes_every_rejected_sibling():
         for seed in range(3):
             _, noise = _noise(1, seed)
             for q in (None, _one_hot_probs([3, 4]).unsqueeze(0)):
-                result = tree_rejection_sample(parents, tokens, torch.tensor([2]), p, q, torch.tensor([coins]), noise)
+                result = rejection_sample(tokens, torch.tensor([2]), p, q, torch.tensor([coins]), noise,
+                                          parents=parents)
                 assert result.output.tolist() == [expected]
 
 
@@ -157,8 +163,8 @@ def test_extreme_logits_stay_finite():
     p = (torch.randint(0, 2, (B, N + 1, V), generator=gen).float() * 200 - 100).softmax(-1)
     q = (torch.randint(0, 2, (B, N, V), generator=gen).float() * 200 - 100).softmax(-1)
     tokens = race(q, torch.empty(B, N, V).exponential_(generator=gen))
-    result = tree_rejection_sample(parents, tokens, torch.full((B,), N), p, q, torch.rand(B, N, generator=gen),
-                                   torch.empty(B, V).exponential_(generator=gen))
+    result = rejection_sample(tokens, torch.full((B,), N), p, q, torch.rand(B, N, generator=gen),
+                              torch.empty(B, V).exponential_(generator=gen), parents=parents)
     row = torch.arange(B)
     last = torch.where(result.num_accepted > 0, result.path[row, (result.num_accepted - 1).clamp(min=0)], ROOT)
     assert (p[row, last + 1, result.output[row, result.num_accepted]] > 0).all()
@@ -172,7 +178,7 @@ def test_pure_function():
             torch.randint(0, N + 1, (B,), generator=gen), torch.rand(B, N + 1, V, generator=gen).softmax(-1),
             torch.rand(B, N, V, generator=gen).softmax(-1), torch.rand(B, N, generator=gen),
             torch.empty(B, V).exponential_(generator=gen))
-    a, b = tree_rejection_sample(*args), tree_rejection_sample(*args)
+    a, b = _sample_tree(*args), _sample_tree(*args)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -243,9 +249,9 @@ def test_greedy_is_plain_greedy_decoding():
 
     gen2, noise = _noise(B, 7)
     q = _one_hot_probs(tokens.reshape(-1).tolist()).view(B, N, V)
-    results = [tree_rejection_sample(parents, tokens, torch.full((B,), N), p, q_, torch.rand(B, N, generator=gen2),
-                                     noise) for q_ in (None, q)]
-    results.append(greedy_accept_tree(parents, tokens, torch.full((B,), N), argmax))
+    results = [rejection_sample(tokens, torch.full((B,), N), p, q_, torch.rand(B, N, generator=gen2), noise,
+                                parents=parents) for q_ in (None, q)]
+    results.append(greedy_accept(tokens, torch.full((B,), N), argmax, parents=parents))
     depths = set()
     for b in range(B):
         path = _walk(parents_list, tokens[b].tolist(), plain)
@@ -257,12 +263,13 @@ def test_greedy_is_plain_greedy_decoding():
     assert depths == set(range(depth + 1))  # every depth, the full one included, occurred
 
 
-# -- chains: the same outputs as rejection_sample ----------------------------------------------------------
+# -- chains: a width-1 tree gets the chain branch's outputs ------------------------------------------------
 
 
 @pytest.mark.parametrize("logit_scale", [1.5, 100.0], ids=["moderate", "extreme"])
-def test_chain_equals_rejection_sample(logit_scale):
-    """Width-1 trees, ragged γ, coins and noise from the verify streams (counter = node index = draft index)."""
+def test_chain_as_tree_equals_chain(logit_scale):
+    """Width-1 trees, ragged γ, coins and noise from the verify streams (counter = node index = draft index):
+    each mode's tree branch gives its chain branch's output, count and path."""
     gen = torch.Generator().manual_seed(8)
     B, G = 20_000, 5
     p = warp_probs(torch.randn(B, G + 1, V, generator=gen).clamp(-1, 1) * logit_scale,
@@ -275,22 +282,22 @@ def test_chain_equals_rejection_sample(logit_scale):
     uniform = rng.uniform(rng.stream_keys(seeds, positions, rng.VERIFY_COIN).unsqueeze(1), torch.arange(G))
     noise = rng.exponential(rng.stream_keys(seeds, positions, rng.VERIFY_NOISE).unsqueeze(1), torch.arange(V))
     parents = (torch.arange(G) - 1).expand(B, G)
+    positions_ = torch.arange(G).unsqueeze(0)
     for q_ in (q, None):
-        chain_out, chain_acc = rejection_sample(drafts, num_draft, p, q_, uniform, noise)
-        tree = tree_rejection_sample(parents, drafts, num_draft, p, q_, uniform, noise)
-        assert torch.equal(tree.output, chain_out) and torch.equal(tree.num_accepted, chain_acc)
-        positions_ = torch.arange(G).unsqueeze(0)
-        assert torch.equal(tree.path, torch.where(positions_ < chain_acc.unsqueeze(1), positions_, PAD))
-        assert 0 < int(chain_acc.sum()) < int(num_draft.sum())  # both outcomes occur
+        chain = rejection_sample(drafts, num_draft, p, q_, uniform, noise)
+        tree = rejection_sample(drafts, num_draft, p, q_, uniform, noise, parents=parents)
+        assert all(torch.equal(t, c) for t, c in zip(tree, chain))
+        assert torch.equal(tree.path, torch.where(positions_ < chain.num_accepted.unsqueeze(1), positions_, PAD))
+        assert 0 < int(chain.num_accepted.sum()) < int(num_draft.sum())  # both outcomes occur
     argmax = p.argmax(-1)
-    chain_out, chain_acc = greedy_accept(drafts, num_draft, argmax)
-    tree = greedy_accept_tree(parents, drafts, num_draft, argmax)
-    assert torch.equal(tree.output, chain_out) and torch.equal(tree.num_accepted, chain_acc)
+    chain = greedy_accept(drafts, num_draft, argmax)
+    tree = greedy_accept(drafts, num_draft, argmax, parents=parents)
+    assert all(torch.equal(t, c) for t, c in zip(tree, chain))
     threshold = torch.full((B,), 0.05)
-    chain_out, chain_acc = threshold_accept(drafts, num_draft, p, threshold, noise)
-    tree = tree_threshold_accept(parents, drafts, num_draft, p, threshold, noise)
-    assert torch.equal(tree.output, chain_out) and torch.equal(tree.num_accepted, chain_acc)
-    assert 0 < int(chain_acc.sum()) < int(num_draft.sum())
+    chain = threshold_accept(drafts, num_draft, p, threshold, noise)
+    tree = threshold_accept(drafts, num_draft, p, threshold, noise, parents=parents)
+    assert all(torch.equal(t, c) for t, c in zip(tree, chain))
+    assert 0 < int(chain.num_accepted.sum()) < int(num_draft.sum())
 
 
 def test_threshold_table():
@@ -303,10 +310,10 @@ def test_threshold_table():
     parents = torch.tensor([[ROOT, ROOT, 1, 1]])
     tokens = torch.tensor([[4, 5, 7, 6]])
     noise = torch.ones(1, V)
-    out = tree_threshold_accept(parents, tokens, torch.tensor([4]), p, torch.tensor([0.5]), noise)
+    out = threshold_accept(tokens, torch.tensor([4]), p, torch.tensor([0.5]), noise, parents=parents)
     assert out.num_accepted.tolist() == [2] and out.path[0, :2].tolist() == [1, 3]
     assert out.output[0, :3].tolist() == [5, 6, 9]
-    out = tree_threshold_accept(parents, tokens, torch.tensor([4]), p, torch.tensor([0.8]), noise)
+    out = threshold_accept(tokens, torch.tensor([4]), p, torch.tensor([0.8]), noise, parents=parents)
     assert out.num_accepted.tolist() == [0] and out.output[0, 0].item() == 5  # sampled from p: 0.7 beats 0.3
 
 
@@ -326,15 +333,15 @@ def test_repeated_sibling_token_is_never_accepted():
     tokens[:, 1] = tokens[:, 0]
     num_nodes, uniform, noise = torch.full((B,), 5), torch.rand(B, 5, generator=gen), torch.empty(B, V).exponential_(
         generator=gen)
-    base = tree_rejection_sample(parents, tokens, num_nodes, p, q, uniform, noise)
+    base = rejection_sample(tokens, num_nodes, p, q, uniform, noise, parents=parents)
     on_path = (base.path[:, :, None] == torch.tensor([1, 3])).any(-1)
     assert not on_path.any()
     cut = parents.clone()
     cut[:, 3] = 4  # a parent after the node: never reached
-    assert all(torch.equal(a, b) for a, b in zip(base, tree_rejection_sample(cut, tokens, num_nodes, p, q, uniform,
-                                                                             noise)))
+    assert all(torch.equal(a, b) for a, b in zip(base, rejection_sample(tokens, num_nodes, p, q, uniform, noise,
+                                                                        parents=cut)))
     cut[:, 1] = 4
-    assert not torch.equal(base.output, tree_rejection_sample(cut, tokens, num_nodes, p, q, uniform, noise).output)
+    assert not torch.equal(base.output, rejection_sample(tokens, num_nodes, p, q, uniform, noise, parents=cut).output)
 
 
 # -- χ²: every emitted token follows the target's warped distribution ---------------------------------------
@@ -374,7 +381,7 @@ def _markov_tree(seed: int, kind: str, width: int, warp):
       node (a leaf);
     - "top-k": deterministic, no q: chain c starts with the draft's c-th most likely first token and
       continues greedily.
-    Returns (p [DEPTH+1, V, V], q [width, DEPTH, V, V], tree args for tree_rejection_sample).
+    Returns (p [DEPTH+1, V, V], q [width, DEPTH, V, V], tree args (parents first) for _sample_tree).
     """
     gen = torch.Generator().manual_seed(seed)
     p_logits = torch.randn(DEPTH + 1, V, V, generator=gen) * 1.5
@@ -461,7 +468,7 @@ def test_chi2_per_position(kind, width, warp):
     p, q, args = _markov_tree(CASES.index((kind, width, warp)), kind, width, warp)
     if kind != "top-k":
         assert (p[:DEPTH].expand_as(q) - q).abs().sum(-1).mean() > 0.2  # p and q really differ
-    result = tree_rejection_sample(*args)
+    result = _sample_tree(*args)
     for t, pvalue in enumerate(_chi2_per_position(result.output, result.num_accepted, p)):
         assert pvalue > P_MIN, f"position {t}: p-value {pvalue:.2e}"
     assert int((result.num_accepted == DEPTH).sum()) > 100  # the bonus position is reached
@@ -529,7 +536,7 @@ def test_chi2_negative_controls(bug, kind, width, warp):
     """The reference without its bug passes and agrees with the module (up to rounding near a coin's
     threshold); with its bug it fails at some position with p < P_CONTROL."""
     p, _, args = _markov_tree(1000 + CONTROLS.index((bug, kind, width, warp)), kind, width, warp)
-    module = tree_rejection_sample(*args)
+    module = _sample_tree(*args)
     right_out, right_acc = _reference(*args)
     agree = (right_out == module.output).all(-1)
     assert float(agree.double().mean()) > 1 - 1e-3

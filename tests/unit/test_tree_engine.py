@@ -165,7 +165,7 @@ def test_joins_mid_generation(target, motif_prompts, motif_refs):
 
 
 def test_greedy_rows_exact_next_to_sampled_rows(target, motif_prompts, motif_refs):
-    """A batch with sampled rows takes ``tree_rejection_sample``: its greedy rows still emit greedy tokens."""
+    """A batch with sampled rows takes ``rejection_sample`` over the tree: its greedy rows still emit greedy tokens."""
     engine, proposer = _engine(target, TREE_NODES)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     greedy_ids = [engine.add(Request(p, max_tokens=MAX_NEW)) for p in motif_prompts[:4]]
