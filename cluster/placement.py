@@ -1,10 +1,13 @@
 """Placement: which node types host the draft pool and the verifier groups, as Ray resource requests.
 
 Contract:
-- ``requests(cfg)`` lists the Ray resources the Serve app of a ``ClusterConfig`` reserves, per role, in
-  the same terms as ``deployments/app.py`` (``ray_actor_options`` of each deployment) and
-  ``deployments/verifier_group.py`` (one placement-group bundle per tensor-parallel rank). A test builds the
-  app and compares, so the two cannot drift.
+- ``placements(cfg)`` is the one place the app's Ray resources are computed: what one replica (or rank) of
+  each role reserves, as a ``Placement`` (``num_cpus``, ``num_gpus``, ``accelerator_type``, ``resources``).
+  ``serve_placements(cfg)`` is the same as the Serve deployments reserve it: ``deployments/app.py`` turns it
+  into each deployment's ``ray_actor_options`` (``Placement.actor_options``).
+- ``requests(cfg)`` lists those as Ray resource bundles (``Placement.bundle``), with counts, in the same terms
+  as ``deployments/verifier_group.py`` (one placement-group bundle per tensor-parallel rank). A test builds
+  the app and compares, so the two cannot drift.
 - ``NodeType`` is what one kind of node advertises (``ray up``'s ``available_node_types[*].resources``, a
   KubeRay worker group's resources); ``REFERENCE_NODES`` is the reference cluster's layout, shared by
   ``cluster/launch/reference-4xh200.yaml`` (checked by a test) and ``scripts/render_k8s.py`` (rendered).
@@ -28,7 +31,8 @@ No ray import: the launch-file tests and the k8s renderer run without a Ray clus
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from cluster.config import ClusterConfig
 
@@ -55,6 +59,69 @@ def resource_bundle(num_cpus: float, num_gpus: float, accelerator_type: str | No
 
 
 @dataclass(frozen=True)
+class Placement:
+    """What one Ray actor reserves, in the terms of Ray's actor options."""
+
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    accelerator_type: str | None = None
+    resources: Mapping[str, float] = field(default_factory=dict)
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray actor options that reserve it (a Serve deployment's ``ray_actor_options``): ``num_cpus``
+        always, the others when set."""
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            opts["num_gpus"] = self.num_gpus
+        if self.accelerator_type:
+            opts["accelerator_type"] = self.accelerator_type
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        return opts
+
+    def bundle(self) -> dict[str, float]:
+        """The Ray resources it reserves (``resource_bundle``)."""
+        return resource_bundle(self.num_cpus, self.num_gpus, self.accelerator_type, self.resources)
+
+
+def placements(cfg: ClusterConfig) -> dict[str, Placement]:
+    """What one replica of each role of the app for ``cfg`` reserves, a stage replica's worker included.
+
+    Roles: ``verifier`` (with tensor parallelism it only coordinates, and each of its ``verifier-rank``
+    actors holds a GPU share), ``draft`` (an offloaded draft pool's replica), ``router`` and ``ingress``.
+    With ``router.stages: local`` the router replica hosts both models: it holds the verifier's share on top
+    of its own, and there is no verifier or draft deployment. A stage in ``cfg.worker_stages`` runs its model
+    in a stage worker on its replica's node, which holds the stage's GPUs: counted here with the replica,
+    since they share a node; ``serve_placements`` leaves them out of the replica's own.
+    """
+    v, pool, r = cfg.verifier, cfg.draft_pool, cfg.router
+    rank = Placement(v.num_cpus, v.num_gpus, v.accelerator_type, dict(v.resources))
+    if r.stages == "local":
+        return {"router": replace(rank, num_cpus=v.num_cpus + r.num_cpus), "ingress": Placement(r.num_cpus)}
+    out: dict[str, Placement] = {}
+    if cfg.target.tensor_parallel > 1:
+        out["verifier"] = Placement(v.num_cpus)  # the rank actors it creates hold the GPUs (verifier_group)
+        out["verifier-rank"] = rank
+    else:
+        out["verifier"] = rank
+    if cfg.draft.kind != "none" and pool.placement == "offload":
+        out["draft"] = Placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type, dict(pool.resources))
+    out["router"] = Placement(r.num_cpus)
+    out["ingress"] = Placement(r.num_cpus)
+    return out
+
+
+def serve_placements(cfg: ClusterConfig) -> dict[str, Placement]:
+    """``placements`` of the Serve deployments (no ``verifier-rank``), as their replicas reserve them: a
+    stage in ``cfg.worker_stages`` leaves its GPUs to its stage worker (deployments/stage_host.py)."""
+    out = {role: p for role, p in placements(cfg).items() if role != "verifier-rank"}
+    for stage in cfg.worker_stages:
+        if stage in out:
+            out[stage] = replace(out[stage], num_gpus=0)
+    return out
+
+
+@dataclass(frozen=True)
 class Request:
     """``count`` gangs of ``gang`` bundles each; a STRICT_PACK gang must share one node."""
 
@@ -70,24 +137,18 @@ class Request:
 
 
 def requests(cfg: ClusterConfig) -> list[Request]:
-    """What the app for ``cfg`` reserves at its largest (autoscaling at ``max_replicas``)."""
-    v, pool, r = cfg.verifier, cfg.draft_pool, cfg.router
-    tp = cfg.target.tensor_parallel
+    """What the app for ``cfg`` reserves at its largest (autoscaling at ``max_replicas``): ``placements``
+    as bundles, with counts (a stage worker's GPUs in its replica's bundle: they share a node)."""
+    v = cfg.verifier
+    counts = {"verifier": v.num_groups, "verifier-rank": v.num_groups, "draft": cfg.draft_pool.max_replicas,
+              "router": 1, "ingress": 1}
     out: list[Request] = []
-    if tp > 1:
-        # The Verifier replica only coordinates; its rank actors hold the GPUs (deployments/app.py).
-        out.append(Request("verifier", v.num_groups, resource_bundle(v.num_cpus, 0, None, {})))
-        out.append(Request("verifier-rank", v.num_groups,
-                           resource_bundle(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
-                           gang=tp, strategy=v.placement_strategy))
-    else:
-        out.append(Request("verifier", v.num_groups,
-                           resource_bundle(v.num_cpus, v.num_gpus, v.accelerator_type, v.resources)))
-    if cfg.draft.kind != "none" and pool.placement == "offload":
-        out.append(Request("draft", pool.max_replicas,
-                           resource_bundle(pool.num_cpus, pool.num_gpus, pool.accelerator_type, pool.resources)))
-    out.append(Request("router", 1, resource_bundle(r.num_cpus, 0, None, {})))
-    out.append(Request("ingress", 1, resource_bundle(r.num_cpus, 0, None, {})))
+    for role, placement in placements(cfg).items():
+        if role == "verifier-rank":
+            out.append(Request(role, counts[role], placement.bundle(), gang=cfg.target.tensor_parallel,
+                               strategy=v.placement_strategy))
+        else:
+            out.append(Request(role, counts[role], placement.bundle()))
     return out
 
 
@@ -234,7 +295,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 __all__ = [
-    "ACCELERATOR_PREFIX", "DRAFT_RESOURCE", "NodeType", "REFERENCE_NODES", "Request", "SINGLE_NODE",
-    "SIZING_DRAFT", "SIZING_TARGET", "TARGET_RESOURCE", "check_fits", "kv_bytes_per_token", "requests",
-    "resource_bundle", "role_resources", "sizing_markdown",
+    "ACCELERATOR_PREFIX", "DRAFT_RESOURCE", "NodeType", "Placement", "REFERENCE_NODES", "Request", "SINGLE_NODE",
+    "SIZING_DRAFT", "SIZING_TARGET", "TARGET_RESOURCE", "check_fits", "kv_bytes_per_token", "placements",
+    "requests", "resource_bundle", "role_resources", "serve_placements", "sizing_markdown",
 ]

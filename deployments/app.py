@@ -29,6 +29,7 @@ from cluster.config import ClusterConfig
 from cluster.memory_plan import plan
 from cluster.model_files import ModelFileError
 from cluster.node import cpu_cores, memory_available
+from cluster.placement import serve_placements
 from cluster.threads import node_threads
 from deployments.draft_pool import DraftPool
 from deployments.ingress import OpenAIIngress
@@ -62,17 +63,6 @@ def load_config(args: ClusterConfig | dict[str, Any]) -> ClusterConfig:
     return ClusterConfig.from_dict(args)
 
 
-def _placement(num_cpus: float, num_gpus: float, accelerator_type: str | None, resources: dict) -> dict:
-    opts: dict[str, Any] = {"num_cpus": num_cpus}
-    if num_gpus:
-        opts["num_gpus"] = num_gpus
-    if accelerator_type:
-        opts["accelerator_type"] = accelerator_type
-    if resources:
-        opts["resources"] = dict(resources)
-    return opts
-
-
 def _model_env(threads: int | str, extra: dict[str, str] | None = None) -> dict:
     """The environment a model replica's process starts with (``replica_process.model_process_env``)."""
     return {"runtime_env": {"env_vars": {**model_process_env(threads), **(extra or {})}}}
@@ -103,20 +93,19 @@ def build_app(args: ClusterConfig | dict[str, Any]):
         check_local_node(cfg)
     generation = secrets.token_hex(4)  # this build's stage workers (deployments.worker_directory.app_key)
     v, r = cfg.verifier, cfg.router
+    # What each deployment's replicas reserve, computed in cluster.placement (requests/check_fits count the
+    # same); in worker mode a replica's stage worker holds its GPUs.
+    place = {role: p.actor_options() for role, p in serve_placements(cfg).items()}
     router_opts = dict(
         **QUIET, num_replicas=1, max_ongoing_requests=r.max_running + r.max_queue + 64,
         # Scale-down and redeploys wait for in-flight requests instead of dropping them.
         graceful_shutdown_timeout_s=r.request_timeout_s)
-    if r.stages == "local":  # the router hosts both models (see deployments.router)
-        opts = {**_placement(v.num_cpus + r.num_cpus, v.num_gpus, v.accelerator_type, v.resources),
-                **_model_env(v.num_threads, SAME_LOOP_ENV)}
-        return _ingress(cfg, Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None, generation))
-    if cfg.target.tensor_parallel > 1:
-        # The replica only coordinates; the rank actors it creates hold the GPUs (see verifier_group).
-        verifier_opts = {**_placement(v.num_cpus, 0, None, {}), **_model_env(v.num_threads)}
-    else:  # in worker mode the replica's stage worker holds the GPU (deployments.stage_host)
-        verifier_opts = {**_placement(v.num_cpus, 0 if "verifier" in cfg.worker_stages else v.num_gpus,
-                                      v.accelerator_type, v.resources), **_model_env(v.num_threads)}
+    if r.stages == "local":  # the router hosts both models (see deployments.router): it holds the verifier's share
+        opts = {**place["router"], **_model_env(v.num_threads, SAME_LOOP_ENV)}
+        return _ingress(cfg, place["ingress"],
+                        Router.options(ray_actor_options=opts, **router_opts).bind(cfg, None, None, generation))
+    # With tensor parallelism the replica only coordinates; the rank actors it creates hold the GPUs.
+    verifier_opts = {**place["verifier"], **_model_env(v.num_threads)}
     verifier = Verifier.options(**QUIET, num_replicas=v.num_groups, ray_actor_options=verifier_opts,
                                 max_ongoing_requests=STAGE_MAX_ONGOING,
                                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S).bind(cfg, generation)
@@ -135,22 +124,19 @@ def build_app(args: ClusterConfig | dict[str, Any]):
             draft = DraftPool.options(
                 **QUIET, **scaling, max_ongoing_requests=STAGE_MAX_ONGOING,
                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,
-                ray_actor_options={**_placement(pool.num_cpus, 0 if "draft" in cfg.worker_stages else pool.num_gpus,
-                                                pool.accelerator_type, pool.resources),
-                                   **_model_env(pool.num_threads)}).bind(cfg, generation)
+                ray_actor_options={**place["draft"], **_model_env(pool.num_threads)}).bind(cfg, generation)
 
-    router = Router.options(ray_actor_options={"num_cpus": r.num_cpus, "runtime_env": {"env_vars": SAME_LOOP_ENV}},
+    router = Router.options(ray_actor_options={**place["router"], "runtime_env": {"env_vars": SAME_LOOP_ENV}},
                             **router_opts).bind(cfg, draft, verifier, generation)
-    return _ingress(cfg, router)
+    return _ingress(cfg, place["ingress"], router)
 
 
-def _ingress(cfg: ClusterConfig, router):
+def _ingress(cfg: ClusterConfig, placement: dict[str, Any], router):
     # A replica at max_ongoing_requests makes Serve's proxy queue every further request, /health included,
     # and stall them all. The ingress enforces its own limits instead and answers past them at once (503
     # past max_pending_bodies bodies being received or the router's capacity, 408 past the body deadline),
     # so Serve's limit sits above them by INGRESS_BURST: room for a burst of those quick answers and for
     # /health, /v1/models and /debug, which no limit of the ingress counts.
     limit = cfg.http.max_pending_bodies + cfg.router.max_running + cfg.router.max_queue + INGRESS_BURST
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": cfg.router.num_cpus,
-                                                    "runtime_env": {"env_vars": INGRESS_ENV}},
+    return OpenAIIngress.options(ray_actor_options={**placement, "runtime_env": {"env_vars": INGRESS_ENV}},
                                  max_ongoing_requests=limit).bind(cfg, router)
