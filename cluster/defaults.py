@@ -12,7 +12,6 @@ ADAPTIVE = True
 CONFIDENCE_THRESHOLD = 0.0
 Q_TOP_K = 64
 NGRAM_MIN, NGRAM_MAX = 1, 4
-NGRAM_TREE_NODES = 0  # 0: the n-gram proposer drafts a chain; > 0: a token tree of up to that many nodes
 # The draft model's token trees (issue 15): 0 drafts chains; > 0 lets the adaptive policy choose per step
 # between the chain and trees of up to that many nodes (a fixed γ drafts that tree every step)
 TREE_NODES = 0

@@ -6,14 +6,12 @@ on the proposed token, which the verifier handles exactly for greedy and sampled
 An index from each n-gram to its end positions is maintained as tokens arrive, so a step costs
 O(γ + n_max) per row instead of a scan of the history.
 
-With ``tree_nodes`` > 0 the proposal is a token tree (``ProposalBatch.parents``, issue 15): every distinct
-continuation of the suffix's earlier occurrences — longest suffix first, most recent occurrence first, then
-the shorter suffixes' — up to γ tokens each, merged into one tree with shared prefixes merged, until the
-tree holds ``tree_nodes`` nodes. The chain's proposal is the tree's first branch, so a tree step never
-accepts less than the chain step would. A row of ``ProposeItem.branch`` b > 0 gets the b-th distinct
-continuation in that order as a chain (none when there are fewer), whatever ``tree_nodes`` says. The tokens are deterministic (one-hot q), which tree acceptance
-handles exactly for greedy and sampled rows (``verifier/tree_acceptance.py``). ``runtime.wire`` carries
-trees to a remote verifier (``WireLimits.tree_nodes`` bounds their width).
+A row of ``ProposeItem.branch`` b > 0 (``speculation.draft_num`` > 1) gets, as a chain, the b-th distinct
+continuation (up to γ tokens) of the suffix's earlier occurrences — longest suffix first, most recent
+occurrence first, then the shorter suffixes' — and none when there are fewer; branch 0 is the usual draft.
+The engine merges a row's branches into one tree (``engine.candidates``); their tokens are deterministic
+(one-hot q), which tree acceptance handles exactly for greedy and sampled rows
+(``verifier/tree_acceptance.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ class _History:
         return []
 
     def continuations(self, gamma: int):
-        """The suffix's earlier occurrences' continuations (≤ γ tokens), in the order of the class docstring."""
+        """The suffix's earlier occurrences' continuations (≤ γ tokens), in the order of the module docstring."""
         toks = self.tokens
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(toks) < n:
@@ -77,33 +75,12 @@ class _History:
                 seen.add(tuple(cont))
         return []
 
-    def lookup_tree(self, gamma: int, budget: int) -> tuple[list[int], list[int]]:  # parents, tokens
-        """Every distinct continuation (≤ γ tokens) of the suffix's earlier occurrences, in the order of the
-        class docstring, merged into a tree of at most ``budget`` nodes in topological order."""
-        parents: list[int] = []
-        tokens: list[int] = []
-        child: dict[tuple[int, int], int] = {}  # (parent node, token) → node
-        for cont in self.continuations(gamma):
-            node = -1
-            for tok in cont:
-                if (node, tok) not in child:
-                    if len(tokens) == budget:
-                        return parents, tokens
-                    child[node, tok] = len(tokens)
-                    parents.append(node)
-                    tokens.append(tok)
-                node = child[node, tok]
-        return parents, tokens
-
 
 class NgramProposer:
-    def __init__(self, *, n_min: int = 1, n_max: int = 4, tree_nodes: int = 0):
+    def __init__(self, *, n_min: int = 1, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        if tree_nodes < 0:
-            raise ValueError(f"tree_nodes must be >= 0 (0: chains), got {tree_nodes}")
         self.n_min, self.n_max = n_min, n_max
-        self.tree_nodes = tree_nodes
         self.histories: dict[int, _History] = {}
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -113,7 +90,7 @@ class NgramProposer:
     def propose(self, items: Sequence[ProposeItem]) -> ProposalBatch:
         t0 = time.perf_counter()
         seq_ids = [it.sync.seq_id for it in items]
-        resync, drafts, parents = [], [], []
+        resync, drafts = [], []
         for it in items:
             hist = self.histories.get(it.sync.seq_id)
             if hist is None and it.sync.base == 0:
@@ -121,20 +98,13 @@ class NgramProposer:
             if hist is None or len(hist.tokens) < it.sync.base:
                 resync.append(it.sync.seq_id)
                 drafts.append([])
-                parents.append([])
                 continue
             hist.truncate(it.sync.base)
             hist.extend(it.sync.tokens)
             if it.gamma <= 0:
                 drafts.append([])
-                parents.append([])
             elif it.branch:
                 drafts.append(hist.branch(it.gamma, it.branch))
-                parents.append(list(range(-1, len(drafts[-1]) - 1)))
-            elif self.tree_nodes:
-                row_parents, row_tokens = hist.lookup_tree(it.gamma, self.tree_nodes)
-                drafts.append(row_tokens)
-                parents.append(row_parents)
             else:
                 drafts.append(hist.lookup(it.gamma))
         batch = ProposalBatch.empty(seq_ids, resync)
@@ -142,10 +112,6 @@ class NgramProposer:
         batch.tokens = torch.zeros((len(items), G), dtype=torch.long)
         for b, d in enumerate(drafts):
             batch.tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        if self.tree_nodes:
-            batch.parents = torch.full((len(items), G), -1, dtype=torch.long)
-            for b, p in enumerate(parents):
-                batch.parents[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         batch.lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         batch.draft_seconds = time.perf_counter() - t0
         return batch

@@ -39,9 +39,6 @@ class EngineSettings:
     q_top_k: int | None = D.Q_TOP_K
     ngram_min: int = D.NGRAM_MIN
     ngram_max: int = D.NGRAM_MAX
-    # > 0: the n-gram proposer drafts token trees of up to this many nodes (issue 15; in-process stages only,
-    # not in the cluster config yet); 0: chains
-    ngram_tree_nodes: int = D.NGRAM_TREE_NODES
     # > 0: the draft model drafts token trees of up to this many nodes (issue 15): with ``adaptive`` and the
     # engine's policy in process, the policy chooses chain or tree per step from measured tokens per second;
     # otherwise every step drafts this tree (depth γ). 0: chains
@@ -61,7 +58,7 @@ def make_proposer(settings: EngineSettings, draft_model=None, policy: GammaPolic
     if settings.draft is None:
         return None
     if settings.draft == "ngram":
-        return NgramProposer(n_min=settings.ngram_min, n_max=settings.ngram_max, tree_nodes=settings.ngram_tree_nodes)
+        return NgramProposer(n_min=settings.ngram_min, n_max=settings.ngram_max)
     model = draft_model if draft_model is not None else build_model(settings.draft, settings.device, settings.dtype)
     return DraftModelProposer(model, max_slots=settings.max_slots, max_len=settings.max_len,
                               q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold,

@@ -68,9 +68,9 @@ class ProposalBatch:
 
     ``parents`` makes every row a token tree (issue 15, ``runtime.token_tree``): row b's ``lengths[b]`` tokens
     are nodes in topological order and ``parents[b, i]`` is node i's parent (-1: a child of the last
-    committed token). A chain is the tree ``[-1, 0, 1, ...]``; ``None`` (every proposer but the n-gram one
-    with ``tree_nodes``) means chains. ``runtime.wire`` carries trees (a tree's width is bounded by
-    ``WireLimits.tree_nodes``).
+    committed token). A chain is the tree ``[-1, 0, 1, ...]``; ``None`` means chains (trees come from the draft
+    model with ``tree_nodes`` and from the engine's merge of ``draft_num`` branches). ``runtime.wire`` carries
+    trees (a tree's width is bounded by ``WireLimits.tree_nodes``).
     """
 
     seq_ids: list[int]

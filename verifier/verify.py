@@ -11,8 +11,8 @@ A proposal that carries a token tree (``ProposalBatch.parents``, issue 15) is sc
 ``ModelRunner.tree_forward`` over every node; the same entry points, given the tree's ``parents``, pick the
 accepted path plus one token, and ``ModelRunner.commit_paths`` moves the path's K/V to where a chain would
 have written them. The outcome is the same as a chain's: the emitted tokens, with the tree's depth as the
-positions proposed. Trees carry no draft q (one-hot q: the n-gram proposer, the draft model's top-k trees,
-merged branch chains); a tree with q is refused before any sync or forward.
+positions proposed. Trees carry no draft q (one-hot q: the draft model's top-k trees, merged branch chains);
+a tree with q is refused before any sync or forward.
 """
 
 from __future__ import annotations

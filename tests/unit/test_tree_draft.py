@@ -240,7 +240,7 @@ def test_branch_rows_are_chains_even_with_a_tree_budget(noisy_draft, prompts):
 
 
 @pytest.mark.parametrize("history,gamma,branches", [
-    ([1, 2, 3, 1, 2, 4, 1, 2], 2, [[4, 1], [3, 1], []]),  # the order of lookup_tree; [2]'s add nothing new
+    ([1, 2, 3, 1, 2, 4, 1, 2], 2, [[4, 1], [3, 1], []]),  # longest suffix, most recent first; [2]'s add nothing new
     ([1, 2, 1, 2, 1], 2, [[2, 1], []]),  # both occurrences continue alike: one distinct continuation
     ([1, 2, 3], 2, [[]]),
 ])
