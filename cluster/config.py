@@ -367,14 +367,13 @@ class RouterSpec(_Spec):
         "(verifier.num_cpus, num_gpus, accelerator_type, resources) on top of router.num_cpus and runs with "
         "verifier.num_threads.",
     )
-    transport: Literal["handles", "actor", "compiled"] = Field(
+    transport: Literal["handles", "compiled"] = Field(
         "handles",
         description="How the step loop reaches remote stages. 'handles': a Serve-handle call per stage per step. "
         "'compiled': each draft-pool and verifier replica runs its model in a stage worker (a plain actor on its "
-        "node) and the router sends every step's frame through a Ray Compiled Graph channel to it; 'actor': the "
-        "same workers, reached by direct actor calls. Serve stays the control plane and its handles the fallback "
-        "(docs/transport.md). A tensor-parallel verifier's worker drives its ranks; a colocated draft stays on "
-        "handles.",
+        "node) and the router sends every step's frame through a Ray Compiled Graph channel to it. Serve stays "
+        "the control plane and its handles the fallback (docs/transport.md). A tensor-parallel verifier's worker "
+        "drives its ranks; a colocated draft stays on handles.",
     )
     max_queue: int = Field(
         256, ge=0, description="Most requests waiting for a running slot; beyond it requests are rejected."

@@ -13,7 +13,8 @@ the CPU only feeds the device, 'auto' is Ray's ``floor(num_cpus)``.
 
 The verifier defaults to 'auto' and the draft to 1: at batch 1 they take turns (draft, then verify), so a
 verifier on all cores costs the draft little. With several micro-batches both compute at once and a node
-whose threads outnumber its cores is oversubscribed; ``build_app`` logs that (README, Configuration).
+whose threads outnumber its cores is oversubscribed; ``build_app`` logs that
+(docs/configuration.md, CPU threads).
 
 No torch or ray import.
 """

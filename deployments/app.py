@@ -82,7 +82,7 @@ def check_local_node(cfg: ClusterConfig) -> None:
     started = sum(r.replicas * threads.get(r.role, 0) for r in app.replicas)
     if started > cores:
         log.warning("the model replicas start %d torch threads on this node's %d cores (%s); they take turns at "
-                    "batch 1, but concurrent micro-batches will contend (README, Configuration: threads)",
+                    "batch 1, but concurrent micro-batches will contend (docs/configuration.md, CPU threads)",
                     started, cores, ", ".join(f"{k} {n}" for k, n in threads.items()))
     app.check(host_available=memory_available(), include_system=False)
 
@@ -91,7 +91,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
     cfg = load_config(args)
     if cfg.ray.address is None:
         check_local_node(cfg)
-    generation = secrets.token_hex(4)  # this build's stage workers (deployments.worker_directory.app_key)
+    generation = secrets.token_hex(4)  # this build's stage workers (deployments.transport.directory.app_key)
     v, r = cfg.verifier, cfg.router
     # What each deployment's replicas reserve, computed in cluster.placement (requests/check_fits count the
     # same); in worker mode a replica's stage worker holds its GPUs.

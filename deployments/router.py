@@ -2,13 +2,12 @@
 
 Each router replica runs one engine — built by ``engine.assembly.make_engine``, the assembly the CLI, the
 benchmarks and the unit tests use — on the service's step thread. With ``router.stages: remote`` the
-engine's stages are ``RemoteStages`` (one Serve call per step to the draft pool and one to the verifier),
-or with ``router.transport`` 'compiled' / 'actor' ``ChannelStages`` (each step's frames go to the stage
-replicas' workers through compiled-graph channels or actor calls; the handles remain its fallback and
-serve the liveness probes and /debug); with ``local`` both models run inside this replica. On this
-project's 2-core CPU VM a Serve-handle stage call cost ~5 ms against ~8 ms for the embedded target's whole
-step, so local stages decode at twice the speed of remote ones (scripts/bench_served.py); the replica is
-then set up as a verifier replica would be (``deployments.replica_process``) before the models load.
+engine's stages are a ``deployments.transport`` ``StageClient``: one Serve call per step to the draft pool
+and one to the verifier, or with ``router.transport`` 'compiled' one call through a compiled-graph channel to
+each stage replica's worker (the handles remain its fallback and serve the liveness probes and /debug). With
+``local`` both models run inside this replica, which saves a stage call per step where a call costs a
+sizeable share of a small model's step (docs/transport.md); the replica is then set up as a verifier replica
+would be (``deployments.replica_process``) before the models load.
 
 Requests enter through ``generate`` / ``generate_stream`` (asyncio, on the replica's event loop). Admission
 is here: the request's checks, tokenization, the one context-length check, and the limit of
@@ -24,7 +23,6 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections import Counter
 
 from ray import serve
 
@@ -34,10 +32,9 @@ from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, G
                              Overloaded, RequestTimedOut, StageUnavailable)
 from deployments.metrics import RouterMetrics
 from deployments.replica_process import start_replica
-from deployments.channel_stages import ChannelStages
 from deployments.settings import engine_settings, wire_limits
-from deployments.stages import RemoteStages
-from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory, app_key
+from deployments.transport.client import StageClient, connect_stages
+from deployments.transport.directory import app_key
 from engine.assembly import make_engine
 from engine.engine import Output, Request, random_first_seq_id
 from engine.fidelity import FidelityMonitor, plain_redecoder
@@ -50,20 +47,21 @@ from runtime.protocol import SamplingParams
 class Router:
     def __init__(self, cfg: ClusterConfig, draft_handle, verifier_handle, generation: str):
         """``cfg`` was validated by ``deployments.app.build_app``; the handles are None with local stages;
-        ``generation`` names the build whose stage workers this router uses (``worker_directory.app_key``)."""
+        ``generation`` names the build whose stage workers this router uses
+        (``deployments.transport.directory.app_key``)."""
         self.cfg, self.generation = cfg, generation
         settings = engine_settings(cfg)
         self.limits = wire_limits(cfg)
         self.tokenizer = load_tokenizer(cfg.target.path) if has_tokenizer(cfg.target.path) else None
         self.metrics = RouterMetrics()
-        self.stages = self.handles = self.directory = None  # handles: the Serve-handle stages (liveness, debug)
+        self.stages = None
+        self.handle_routes: tuple = (None, None)  # the stages' Serve-handle routes (draft, verifier): liveness, debug
         if cfg.router.stages == "local":
             start_replica(cfg, LOCAL_ROUTER)
         else:
-            self.stages = self.handles = self._remote_stages(draft_handle if settings.draft is not None else None,
-                                                             verifier_handle, "r", on_fallback=self.metrics.fallback)
-            if cfg.worker_stages:
-                self.stages = self._channel_stages(self.handles)
+            self.stages = self._stage_client(draft_handle if settings.draft is not None else None, verifier_handle,
+                                             "r", on_fallback=self.metrics.fallback, workers=bool(cfg.worker_stages))
+            self.handle_routes = self.stages.handle_routes
         eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else []
         # Two routers reach the same stage replicas while a redeploy rolls the app: distinct sequence ids.
@@ -81,7 +79,7 @@ class Router:
         their own, with remote ones), never the serving engine's slots."""
         plain = dataclasses.replace(settings, draft=None, max_slots=1, micro_batches=1, goodput_guard=False)
         target = ({"target_model": self.engine.stages.verifier.runner.model} if self.stages is None
-                  else {"stages": self._remote_stages(None, verifier_handle, "fid")})
+                  else {"stages": self._stage_client(None, verifier_handle, "fid")})
         engine = make_engine(plain, eos_token_ids=eos, detokenize=self._detokenize, **target)
         monitor = FidelityMonitor(self.cfg.router.fidelity_sample_rate,
                                   plain_redecoder(engine, first_seq_id=(1 << 62) + self.first_seq_id),
@@ -89,23 +87,16 @@ class Router:
         monitor.start()
         return monitor
 
-    def _remote_stages(self, draft_handle, verifier_handle, shard: str, on_fallback=None) -> RemoteStages:
+    def _stage_client(self, draft_handle, verifier_handle, shard: str, *, on_fallback=None,
+                      workers: bool = False) -> StageClient:
+        """The stages over Serve handles, or with ``workers`` over this build's stage workers (docs/transport.md)."""
         cfg = self.cfg
-        return RemoteStages(draft_handle, verifier_handle, self.limits, draft_timeout_s=cfg.draft_pool.timeout_s,
-                            verify_timeout_s=cfg.router.verify_timeout_s, probe_interval_s=cfg.router.probe_interval_s,
-                            probe_timeout_s=cfg.router.probe_timeout_s, on_fallback=on_fallback,
-                            shard_prefix=f"{shard}{os.getpid()}", branches=cfg.speculation.draft_num)
-
-    def _channel_stages(self, handles: RemoteStages) -> ChannelStages:
-        """The stage workers' transport, over Serve handles for a stage with no worker registered; the
-        directory keeps its membership equal to the app's live workers (docs/transport.md)."""
-        stages = ChannelStages(self.limits, transport=self.cfg.router.transport,
-                               draft_timeout_s=self.cfg.draft_pool.timeout_s,
-                               verify_timeout_s=self.cfg.router.verify_timeout_s, fallback=handles,
-                               on_fallback=self.metrics.fallback, timings=handles.timings)
-        self.directory = WorkerDirectory(stages, app_key(serve.get_replica_context().app_name, self.generation),
-                                         DIRECTORY_INTERVAL_S).start()
-        return stages
+        return connect_stages(self.limits, draft_handle, verifier_handle, draft_timeout_s=cfg.draft_pool.timeout_s,
+                              verify_timeout_s=cfg.router.verify_timeout_s, shard_prefix=f"{shard}{os.getpid()}",
+                              probe_interval_s=cfg.router.probe_interval_s, probe_timeout_s=cfg.router.probe_timeout_s,
+                              branches=cfg.speculation.draft_num, on_fallback=on_fallback,
+                              workers_of=app_key(serve.get_replica_context().app_name, self.generation)
+                              if workers else None)
 
     # -- admission ----------------------------------------------------------------------------------
 
@@ -217,11 +208,11 @@ class Router:
         """``status``: "unhealthy" when the step loop died or stalls with work waiting, or the verifier has no
         live replica; "degraded" when only the draft pool has none (decoding continues target-only); else
         "ok". Reads state the step loop and the stage prober keep: no stage is called here."""
-        service, stages = self.service, self.handles
+        service, (draft_route, verifier_route) = self.service, self.handle_routes
         age = time.monotonic() - service.last_progress
         alive = service.alive
-        verifier = stages.verifier_live.snapshot() if stages else None
-        draft = stages.draft_live.snapshot() if stages and stages.draft_live is not None else None
+        verifier = verifier_route.live.snapshot() if verifier_route is not None else None
+        draft = draft_route.live.snapshot() if draft_route is not None else None
         if not alive:
             status, reason = "unhealthy", "the step loop died"
         elif age >= self.cfg.router.stall_s:
@@ -245,20 +236,19 @@ class Router:
         return out
 
     async def info(self) -> dict:
-        counted = [s for s in {id(s): s for s in (self.handles, self.stages)}.values() if s is not None]
-        reasons = sum((s.fallback_reasons for s in counted), Counter())
-        workers = None
-        if isinstance(self.stages, ChannelStages):
-            workers = {"draft": [link.key for link in self.stages.drafts.all()],
-                       "verifier": [link.key for link in self.stages.verifiers.all()],
-                       "rebuilds": self.stages.drafts.rebuilds + self.stages.verifiers.rebuilds,
-                       "calls": dict(self.stages.calls)}
+        stages, workers = self.stages, None
+        if self.cfg.worker_stages and stages is not None:
+            routes = {"draft": stages.draft, "verifier": stages.verifier}
+            workers = {**{name: [link.key for link in r.all()] if r is not None else [] for name, r in routes.items()},
+                       "rebuilds": sum(r.rebuilds for r in routes.values() if r is not None)}
         return {"model": self.cfg.http.model_name, "vocab_size": self.limits.vocab_size,
                 "max_model_len": self.cfg.target.max_model_len, "has_tokenizer": self.tokenizer is not None,
                 "transport": self.cfg.router.transport if self.stages is not None else "local",
-                "workers": workers, "fallbacks": sum(s.fallbacks for s in counted),
-                "fallback_reasons": dict(reasons), "verifier_resyncs": self.engine.verifier_resyncs,
-                "shard_prefix": self.handles.shard_prefix if self.handles else None,
+                "workers": workers, "calls": dict(stages.calls) if stages is not None else {},
+                "fallbacks": stages.fallbacks if stages is not None else 0,
+                "fallback_reasons": dict(stages.fallback_reasons) if stages is not None else {},
+                "verifier_resyncs": self.engine.verifier_resyncs,
+                "shard_prefix": self.handle_routes[1].shard_prefix if self.stages is not None else None,
                 "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.service.live),
                 "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
@@ -273,20 +263,20 @@ class Router:
         half of ``router.health_timeout_s`` (Serve queues calls to a deployment without live replicas); the
         other half is for the hops to and from the ingress, which waits ``health_timeout_s`` in all.
         """
-        stages = self.handles
+        draft_route, verifier_route = self.handle_routes
         out = {"cancelled": self.service.cancelled_total, "in_flight": len(self.service.live),
                "running": len(self.engine.running),
                "waiting": len(self.engine.waiting), "verifier": [], "draft_pool": []}
-        if stages is None:
+        if verifier_route is None:
             return out
-        asked = [("verifier", stages.verifier)]
-        if stages.draft is not None and stages.draft is not stages.verifier:
-            asked.append(("draft_pool", stages.draft))
-        for name, live in (("verifier", stages.verifier_live), ("draft_pool", stages.draft_live)):
-            if live is not None and not live.up:
-                raise StageUnavailable(f"{live.name} unavailable: {live.reason}")
-        calls = [(name, f"{stages.shard_prefix}-{shard}", stages._keyed(handle, shard).stats.remote())
-                 for name, handle in asked for shard in range(self.cfg.router.micro_batches)]  # routed like steps
+        asked = [("verifier", verifier_route)]
+        if draft_route is not None and draft_route.handle is not verifier_route.handle:
+            asked.append(("draft_pool", draft_route))
+        for _, route in asked:
+            if not route.live.up:
+                raise StageUnavailable(f"{route.live.name} unavailable: {route.live.reason}")
+        links = [(name, route.link(shard)) for name, route in asked for shard in range(self.cfg.router.micro_batches)]
+        calls = [(name, link.key, link.handle.stats.remote()) for name, link in links]  # routed like steps
         bound = self.cfg.router.health_timeout_s / 2
         try:
             answers = await asyncio.wait_for(asyncio.gather(*(resp for _, _, resp in calls)), bound)
@@ -312,10 +302,8 @@ class Router:
             service.stop()
         if getattr(self, "fidelity", None) is not None:
             self.fidelity.stop()
-        if getattr(self, "directory", None) is not None:
-            self.directory.stop()
         if getattr(self, "stages", None) is not None:
-            self.stages.close()  # ChannelStages closes its Serve-handle fallback too
+            self.stages.close()
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -32,9 +32,10 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig
 from runtime import wire
+from deployments.metrics import SlotGauge
 from deployments.replica_process import model_process_env, start_replica, thread_info, use_threads
-from deployments.stage_workers import BusyLog, start_worker
-from deployments.worker_directory import app_key, worker_name
+from deployments.stage_workers import BusyLog, stage_stats, start_worker
+from deployments.transport.directory import app_key, worker_name
 
 log = logging.getLogger("specserve.stage_host")
 
@@ -53,11 +54,35 @@ class StageHost:
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-model")
         self.busy = BusyLog()
         self.worker = None
+        self.serves: dict = {}  # runtime.wire.serve_call's stages, when this replica runs them itself
+        self._slots: tuple | None = None  # (SlotGauge, runner) of the model whose KV slots this replica reports
+
+    def _host(self, slot_gauge: str, **serves) -> None:
+        """Run ``serves`` (``proposer=`` / ``verifier=``) in this replica, reporting the first model's slots."""
+        self.serves = serves
+        runner = next((getattr(s, "runner", None) for s in serves.values() if getattr(s, "runner", None)), None)
+        self._slots = (SlotGauge(slot_gauge), runner) if runner is not None else None
+
+    async def call(self, frame: bytes) -> bytes:
+        """One stage call (``runtime.wire.serve_call``), run by this replica's model thread or passed to its
+        worker as it came."""
+        await self._affinity()
+        if self.worker is not None:
+            return await self.worker.call.remote(frame)
+        return await self._run(self._serve, frame)
+
+    def _serve(self, frame: bytes) -> bytes:
+        try:
+            return wire.serve_call(frame, self.limits, **self.serves)
+        finally:
+            if self._slots is not None:
+                gauge, runner = self._slots
+                gauge.set(runner.pool.slots_in_use, runner.pool.num_slots)
 
     def _start_worker(self, cfg: ClusterConfig, stage: str, role: str, build: Callable[[ClusterConfig], object],
                       *, generation: str, threads: int | str, num_gpus: float, slot_gauge: str) -> None:
         """Worker mode: ``build(cfg)`` runs in a ``StageWorker`` beside this replica (see the module doc),
-        named for this app's ``generation`` (``worker_directory.app_key``)."""
+        named for this app's ``generation`` (``deployments.transport.directory.app_key``)."""
         ctx, here = serve.get_replica_context(), ray.get_runtime_context()
         self.worker = start_worker(
             functools.partial(_worker_stage, cfg, role, build), self.limits,
@@ -77,12 +102,12 @@ class StageHost:
                 os._exit(1)
             time.sleep(WATCH_INTERVAL_S)
 
-    async def _forward(self, op: bytes, frame: bytes) -> bytes:
-        """A handle call's frame, to this replica's worker, which decodes it with the same limits."""
-        return await self.worker.call.remote(op + frame)
-
-    async def _worker_stats(self, **extra) -> dict:
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), **extra, **await self.worker.stats.remote()}
+    async def stats(self) -> dict:
+        name = ray.get_runtime_context().get_actor_name()
+        if self.worker is not None:
+            return {"actor_name": name, **await self.worker.stats.remote()}
+        stage = self.serves.get("verifier", self.serves.get("proposer"))
+        return {"actor_name": name, **await asyncio.to_thread(stage_stats, stage, self.busy.calls)}
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, self._timed, fn, *args)

@@ -1,18 +1,16 @@
 """Stage workers: plain Ray actors that run one stage (a draft proposer or a verify stage) for the router's
-compiled step loop (``deployments.channel_stages``).
+compiled step loop (``deployments.transport``).
 
 Ray Compiled Graphs bind actor methods, not Serve replicas, so a replica that takes part in the compiled
 transport owns one worker (pinned to the replica's node, see ``start_worker``) under a name the router
-discovers (``deployments.worker_directory``); Serve stays the control plane (replicas, autoscaling,
+discovers (``deployments.transport.directory``); Serve stays the control plane (replicas, autoscaling,
 placement, health).
 
-One method, ``call``, serves every operation so that one compiled graph per worker carries them all: the
-first byte of the frame names the operation (``OP_PROPOSE``, ``OP_VERIFY``, ``OP_RELEASE``), the rest is
-the ``runtime.wire`` msgpack frame, decoded with the cluster's ``WireLimits`` before any model sees it.
-Replies are msgpack frames too; nothing of the project's is pickled on the way. A compiled graph runs
-its method on a background thread of the actor, one call at a time in submission order; calls its owning
-replica forwards (Serve-handle callers) run on the actor's main thread, so one lock keeps the stage to
-one call at a time, which is what a runner's KV pool needs (it is not re-entrant).
+One method, ``call``, serves every operation (``runtime.wire.serve_call``: its first byte names it) so that
+one compiled graph per worker carries them all; nothing of the project's is pickled on the way. A compiled
+graph runs its method on a background thread of the actor, one call at a time in submission order; calls
+its owning replica forwards (Serve-handle callers) run on the actor's main thread, so one lock keeps the
+stage to one call at a time, which is what a runner's KV pool needs (it is not re-entrant).
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ import ray
 from deployments.metrics import SlotGauge
 from deployments.replica_process import use_threads
 from runtime import wire
-
-OP_PROPOSE, OP_VERIFY, OP_RELEASE = b"p", b"v", b"r"
 
 
 class BusyLog:
@@ -50,11 +46,17 @@ class BusyLog:
         return [iv for iv in list(self._intervals) if iv[1] >= t]
 
 
+def stage_roles(stage) -> dict:
+    """``runtime.wire.serve_call``'s keywords for a stage: what it can do, it serves."""
+    return {role: stage for role, method in (("proposer", "propose"), ("verifier", "verify")) if hasattr(stage, method)}
+
+
 class StageWorker:
     """Runs ``proposer.propose`` / ``stage.verify`` / ``release`` for frames sent by the router."""
 
     def __init__(self, make_stage: Callable[[], object], limits: wire.WireLimits, slot_gauge: str | None = None):
         self.stage = make_stage()
+        self.serves = stage_roles(self.stage)
         self.limits = limits
         self.busy = BusyLog()
         self._lock = threading.Lock()
@@ -62,29 +64,15 @@ class StageWorker:
         self._slots = SlotGauge(slot_gauge) if slot_gauge is not None and self._runner is not None else None
 
     def call(self, frame: bytes) -> bytes:
-        op, body = frame[:1], frame[1:]
         with self._lock:
             use_threads()  # a compiled graph calls from a thread of its own, with torch's default thread count
             start = time.time()
             try:
-                return self._call(op, body)
+                return wire.serve_call(frame, self.limits, **self.serves)
             finally:
                 self.busy.add(start, time.time())
                 if self._slots is not None:
                     self._slots.set(self._runner.pool.slots_in_use, self._runner.pool.num_slots)
-
-    def _call(self, op: bytes, body: bytes) -> bytes:
-        if op == OP_PROPOSE:
-            return wire.encode_proposal(self.stage.propose(wire.decode_propose(body, self.limits)))
-        if op == OP_VERIFY:
-            items, proposal = wire.decode_verify(body, self.limits)
-            relay = getattr(self.stage, "relay", None)  # a tensor-parallel group: its ranks decode the frame
-            outcome = relay(body) if relay is not None else self.stage.verify(items, proposal)
-            return wire.encode_outcome(outcome)
-        if op == OP_RELEASE:
-            self.stage.release(list(wire.decode_release(body, self.limits).seq_ids))
-            return b""
-        raise wire.WireError(f"unknown stage operation {op!r}")
 
     def ping(self) -> bool:
         return True
@@ -93,19 +81,24 @@ class StageWorker:
         return self.busy.since(since)
 
     def stats(self) -> dict:
-        runner = self._runner
-        health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
-        return {"pid": os.getpid(), "calls": self.busy.calls, "busy_seconds": self.busy.seconds,
-                "slots_in_use": runner.pool.slots_in_use if runner is not None else 0,
-                "sequences": len(runner.seqs) if runner is not None else len(getattr(self.stage, "histories", {})),
-                "group": health() if health is not None else None}
+        return stage_stats(self.stage, self.busy.calls)
+
+
+def stage_stats(stage, calls: int) -> dict:
+    """What a stage process reports to ``/debug/kv``: its calls, KV slots and sequences, and a tensor-parallel
+    group's ranks (``health`` asks them, so this may block)."""
+    runner = getattr(stage, "runner", None)
+    health = getattr(stage, "health", None)
+    return {"pid": os.getpid(), "calls": calls, "slots_in_use": runner.pool.slots_in_use if runner is not None else 0,
+            "sequences": len(runner.seqs) if runner is not None else len(getattr(stage, "histories", {})),
+            "group": health() if health is not None else None}
 
 
 def start_worker(make_stage: Callable[[], object], limits: wire.WireLimits, *, name: str | None = None,
                  namespace: str | None = None, node_id: str | None = None, num_gpus: float = 0,
                  runtime_env: dict | None = None, slot_gauge: str | None = None):
     """A ``StageWorker`` actor. A replica passes its own ``node_id`` (the worker is pinned there, beside it)
-    and a ``name`` the router discovers it by (``deployments.worker_directory``). ``num_cpus=0``: the
+    and a ``name`` the router discovers it by (``deployments.transport.directory``). ``num_cpus=0``: the
     replica already holds the stage's share of the node and the worker does the model work in its place.
     It is not restarted by Ray and dies with its owner: the replica's replacement starts a new one."""
     options: dict = {"num_cpus": 0, "num_gpus": num_gpus, "max_restarts": 0}

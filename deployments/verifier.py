@@ -9,18 +9,12 @@ KV cache holds it; a group that restarted answers ``resync`` and the router re-p
 
 from __future__ import annotations
 
-import asyncio
-
-import ray
 from ray import serve
 
-from runtime import wire
 from cluster.config import ClusterConfig
-from deployments.metrics import SlotGauge
 from deployments.replica_process import start_replica
 from deployments.settings import engine_settings, wire_limits
 from deployments.stage_host import StageHost
-from deployments.stage_workers import OP_RELEASE, OP_VERIFY
 from deployments.verifier_group import VerifierGroup
 from engine.assembly import EngineSettings, make_proposer, make_verify_stage
 
@@ -40,7 +34,7 @@ class Verifier(StageHost):
         role = "verifier" if cfg.target.tensor_parallel == 1 else "verifier (group driver)"
         start_replica(cfg, role)
         self._init_host(wire_limits(cfg))
-        self.stage = self.proposer = None
+        self.stage = None
         if "verifier" in cfg.worker_stages:  # with tensor parallelism the ranks, not the worker, hold GPUs
             self._start_worker(cfg, "verifier", role, build_verify_stage, generation=generation,
                                threads=cfg.verifier.num_threads,
@@ -50,47 +44,7 @@ class Verifier(StageHost):
         settings = engine_settings(cfg)
         self.stage = build_verify_stage(cfg, settings)
         colocated = cfg.draft_pool.placement == "colocated" and settings.draft is not None
-        self.proposer = make_proposer(settings) if colocated else None
-        self._slots = SlotGauge("target")
-
-    async def verify(self, frame: bytes) -> bytes:
-        await self._affinity()
-        if self.worker is not None:
-            return await self._forward(OP_VERIFY, frame)
-        if isinstance(self.stage, VerifierGroup):  # its ranks decode the frame: relay it as it came
-            outcome = await self._run(self.stage.relay, frame)
-        else:
-            outcome = await self._run(self.stage.verify, *wire.decode_verify(frame, self.limits))
-        runner = getattr(self.stage, "runner", None)
-        if runner is not None:
-            self._slots.set(runner.pool.slots_in_use, runner.pool.num_slots)
-        return wire.encode_outcome(outcome)
-
-    async def propose(self, frame: bytes) -> bytes:
-        if self.proposer is None:
-            raise RuntimeError("this verifier hosts no draft (draft_pool.placement is not 'colocated')")
-        await self._affinity()
-        items = wire.decode_propose(frame, self.limits)
-        return wire.encode_proposal(await self._run(self.proposer.propose, items))
-
-    async def release(self, frame: bytes) -> None:
-        if self.worker is not None:
-            await self._forward(OP_RELEASE, frame)
-            return
-        seq_ids = list(wire.decode_release(frame, self.limits).seq_ids)
-        await self._run(self.stage.release, seq_ids)
-        if self.proposer is not None:
-            await self._run(self.proposer.release, seq_ids)
-
-    async def stats(self) -> dict:
-        if self.worker is not None:
-            return await self._worker_stats()
-        runner = getattr(self.stage, "runner", None)
-        health = getattr(self.stage, "health", None)  # a tensor-parallel group: its ranks and their pids
-        return {"actor_name": ray.get_runtime_context().get_actor_name(), "calls": self.busy.calls,
-                "slots_in_use": runner.pool.slots_in_use if runner else None,
-                "sequences": len(runner.seqs) if runner else None,
-                "group": await asyncio.to_thread(health) if health is not None else None}
+        self._host("target", verifier=self.stage, **({"proposer": make_proposer(settings)} if colocated else {}))
 
     def __del__(self):
         shutdown = getattr(getattr(self, "stage", None), "shutdown", None)

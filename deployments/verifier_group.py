@@ -7,12 +7,11 @@ Contract:
   (``verifier.tensor_parallel.TPVerifierRank``) from a plain model spec (``runtime.models.build_model``).
 - ``relay`` / ``submit_relay`` send the verifier deployment's wire frame (``runtime.wire``; nothing is
   pickled) as it came to every rank (``verify`` encodes one first, for in-process callers), in the same
-  order for every rank (submission happens under one lock), and return rank 0's outcome. ``transport``
-  says how: ``compiled``, one Ray Compiled Graph feeding every rank's ``call`` from one input (the
-  router's ``router.transport`` 'compiled'), or ``actor``, one actor call per rank
-  (``deployments.channel_stages.WorkerLink`` either way; releases travel the same way, in order). The
-  ranks' outcomes are compared; a disagreement (never expected: the logits are all-reduced) releases the
-  rows concerned on every rank, so that they are re-prefilled through ``resync``.
+  order for every rank (submission happens under one lock), and return rank 0's outcome: one Ray Compiled
+  Graph feeds every rank's ``call`` from one input (``deployments.transport.links.WorkerLink``; releases
+  travel the same way, in order). The ranks' outcomes are compared; a disagreement (never expected: the
+  logits are all-reduced) releases the rows concerned on every rank, so that they are re-prefilled through
+  ``resync``.
 - A rank that dies or hangs (``RayActorError`` / no answer within ``verify_timeout_s``) takes the whole
   group with it: the group is torn down and rebuilt as a unit (``rebuild``), then ``VerifierGroupError``
   is raised so that the caller retries. The rebuilt group holds no sequence, so the retried verify answers
@@ -33,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import ray
@@ -43,10 +42,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import wire
 from cluster.node import cpu_cores
+from cluster.placement import resource_bundle
 from cluster.threads import resolve_threads
-from deployments.channel_stages import WorkerLink
+from deployments.transport.links import WorkerLink
 from deployments.replica_process import check_memory, configure_process, model_process_env, use_threads
-from deployments.stage_workers import OP_RELEASE, OP_VERIFY
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.verify import AcceptanceConfig
 
@@ -56,14 +55,70 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 
-def group_limits(options: dict[str, Any], vocab_size: int) -> wire.WireLimits:
-    """The group's wire limits: the config's (``options["limits"]``, a dict across the actor boundary) with
-    the ranks' vocabulary, or, without a config, what the ranks' runners can hold."""
-    lim = {k: v for k, v in (options.get("limits") or {}).items() if k != "vocab_size"}
-    lim.setdefault("gamma_max", options["max_len"])
-    lim.setdefault("max_batch", min(options["max_slots"], wire.MAX_ROWS))
-    lim.setdefault("max_seq_len", options["max_len"])
-    return wire.WireLimits(vocab_size=vocab_size, **lim)
+@dataclass(frozen=True)
+class GroupSpec:
+    """A tensor-parallel verifier group: the target (a ``runtime.models.build_model`` spec), what each rank
+    runs, where Ray places the ranks, and how long each phase may take. ``VerifierGroup.from_config`` builds
+    it from the cluster config; the rank actors get it as it is."""
+
+    model: Any
+    tp_size: int = 1
+    # what each rank runs
+    device: str = "auto"
+    dtype: str = "auto"
+    max_slots: int = 64
+    max_len: int = 1024
+    kv_bucket: int = 16
+    acceptance: AcceptanceConfig | None = None
+    limits: wire.WireLimits | None = None  # None: what the ranks' runners can hold
+    omp_threads: int | str | None = None  # None: the rank's whole-CPU reservation, at least 1
+    tp_grain_size: int | None = None
+    load: str = "full"
+    memory_plan: dict | None = None  # {"bytes", "weights", "report"} of one rank, checked on its node
+    backend: str | None = None
+    cpu_shm_allreduce: bool = False
+    # where the ranks go
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    accelerator_type: str | None = None
+    placement_strategy: str | None = None  # None: STRICT_PACK, or PACK with span_nodes
+    span_nodes: bool = False
+    # how long
+    placement_timeout_s: float = 120.0
+    setup_timeout_s: float = 900.0
+    verify_timeout_s: float = 300.0
+    dist_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be ≥ 1, got {self.tp_size}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.cpu_shm_allreduce and self.strategy != "STRICT_PACK":
+            raise ValueError("cpu_shm_allreduce needs every rank on one node (placement_strategy STRICT_PACK)")
+        if not (self.num_cpus > 0 or self.num_gpus > 0 or self.resources):
+            raise ValueError("a rank must reserve something (num_cpus, num_gpus or resources)")
+
+    @property
+    def strategy(self) -> str:
+        return self.placement_strategy or ("PACK" if self.span_nodes else "STRICT_PACK")
+
+    @property
+    def rank_device(self) -> str:
+        return "cpu" if self.device == "auto" and self.num_gpus == 0 else self.device  # never grab an unreserved GPU
+
+    @property
+    def threads(self) -> int | str:
+        return self.omp_threads if self.omp_threads is not None else max(1, int(self.num_cpus))
+
+    def wire_limits(self, vocab_size: int) -> wire.WireLimits:
+        """The config's limits with the ranks' vocabulary, or, without a config, what the runners can hold."""
+        if self.limits is not None:
+            return replace(self.limits, vocab_size=vocab_size)
+        return wire.WireLimits(vocab_size=vocab_size, gamma_max=self.max_len,
+                               max_batch=min(self.max_slots, wire.MAX_ROWS), max_seq_len=self.max_len)
+
 
 class VerifierGroupError(RuntimeError):
     """The group lost a rank (and was rebuilt, unless ``rebuilt`` is False): retry the call."""
@@ -78,8 +133,8 @@ class VerifierRankActor:
     """One rank. Model calls run one at a time, in submission order; ``address``/``health`` answer from a
     separate thread, also while a verify is blocked in a collective."""
 
-    def __init__(self, rank: int, world_size: int, spec: Any, options: dict):
-        self.rank, self.world_size, self.spec, self.options = rank, world_size, spec, dict(options)
+    def __init__(self, rank: int, spec: GroupSpec):
+        self.rank, self.spec = rank, spec
         self.tp = None
         self.limits: wire.WireLimits | None = None
 
@@ -94,42 +149,32 @@ class VerifierRankActor:
     def setup(self, master_addr: str, master_port: int) -> dict:
         from verifier.tensor_parallel import DistConfig, TPVerifierRank
 
-        opts = self.options
-        need = opts.get("memory_plan") or {}
-        threads = resolve_threads(opts["threads"], cores=cpu_cores(), on_gpu=opts["num_gpus"] > 0,
-                                  num_cpus=opts["num_cpus"], where="verifier.num_threads",
-                                  sharing=opts["threads_sharing"], weight_bytes=need.get("weights"))
+        spec, need = self.spec, self.spec.memory_plan or {}
+        on_gpu = spec.num_gpus > 0
+        threads = resolve_threads(spec.threads, cores=cpu_cores(), on_gpu=on_gpu, num_cpus=spec.num_cpus,
+                                  where="verifier.num_threads",
+                                  sharing=spec.tp_size if spec.strategy in ("STRICT_PACK", "PACK") else 1,
+                                  weight_bytes=need.get("weights"))
         if need:
-            check_memory("verifier rank", need["bytes"], opts["num_gpus"], opts["num_gpus"] > 0, need["report"])
+            check_memory("verifier rank", need["bytes"], spec.num_gpus, on_gpu, need["report"])
         configure_process(threads)
         dist = None
-        if self.world_size > 1:
-            dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                              master_port=master_port, backend=opts.get("backend"),
-                              timeout_s=opts.get("dist_timeout_s", 300.0),
-                              cpu_shm_allreduce=opts.get("cpu_shm_allreduce", False))
-        acceptance = AcceptanceConfig(**opts["acceptance"]) if opts.get("acceptance") else None
-        self.tp = TPVerifierRank(self.spec, dist, device=opts.get("device", "auto"), dtype=opts.get("dtype", "auto"),
-                                 max_slots=opts["max_slots"], max_len=opts["max_len"],
-                                 kv_bucket=opts.get("kv_bucket", 16), acceptance=acceptance,
-                                 threads=threads, tp_grain_size=opts.get("tp_grain_size"),
-                                 load=opts.get("load", "full"))
-        self.limits = group_limits(opts, self.tp.vocab_size)
+        if spec.tp_size > 1:
+            dist = DistConfig(rank=self.rank, world_size=spec.tp_size, master_addr=master_addr,
+                              master_port=master_port, backend=spec.backend, timeout_s=spec.dist_timeout_s,
+                              cpu_shm_allreduce=spec.cpu_shm_allreduce)
+        self.tp = TPVerifierRank(spec.model, dist, device=spec.rank_device, dtype=spec.dtype,
+                                 max_slots=spec.max_slots, max_len=spec.max_len, kv_bucket=spec.kv_bucket,
+                                 acceptance=spec.acceptance, threads=threads, tp_grain_size=spec.tp_grain_size,
+                                 load=spec.load)
+        self.limits = spec.wire_limits(self.tp.vocab_size)
         return {**self.tp.info(), "vocab_size": self.tp.vocab_size, "node": ray.util.get_node_ip_address()}
 
     def call(self, frame: bytes) -> bytes:
-        """A verify or a release (the first byte names it, as for a stage worker), sent by the group to
-        every rank in one order: over the group's compiled graph, on the graph's thread, or as an actor
-        call."""
+        """A verify or a release (``runtime.wire.serve_call``), sent by the group to every rank in one order
+        over the group's compiled graph."""
         use_threads()  # torch keeps a thread count per OS thread
-        op, body = frame[:1], frame[1:]
-        if op == OP_VERIFY:
-            items, proposal = wire.decode_verify(body, self.limits)
-            return wire.encode_outcome(self.tp.verify(items, proposal))
-        if op == OP_RELEASE:
-            self.tp.release(list(wire.decode_release(body, self.limits).seq_ids))
-            return b""
-        raise wire.WireError(f"unknown rank operation {op!r}")
+        return wire.serve_call(frame, self.limits, verifier=self.tp)
 
     def info(self) -> dict:
         return self.tp.info()
@@ -156,49 +201,10 @@ class VerifyPending:
 class VerifierGroup:
     """``tp_size`` rank actors acting as one verify stage (``verify``, ``release``, ``health``)."""
 
-    def __init__(self, model_spec: Any, *, tp_size: int = 1, device: str = "auto", dtype: str = "auto",
-                 max_slots: int = 64, max_len: int = 1024, kv_bucket: int = 16,
-                 acceptance: AcceptanceConfig | None = None, limits: wire.WireLimits | None = None,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
-                 accelerator_type: str | None = None, placement_strategy: str | None = None, span_nodes: bool = False,
-                 backend: str | None = None, cpu_shm_allreduce: bool = False,
-                 omp_threads: int | str | None = None,
-                 tp_grain_size: int | None = None, load: str = "full", memory_plan: dict | None = None,
-                 transport: str = "actor", placement_timeout_s: float = 120.0,
-                 setup_timeout_s: float = 900.0, verify_timeout_s: float = 300.0, dist_timeout_s: float = 300.0,
-                 start: bool = True):
-        if tp_size < 1:
-            raise ValueError(f"tp_size must be ≥ 1, got {tp_size}")
-        strategy = placement_strategy or ("PACK" if span_nodes else "STRICT_PACK")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if cpu_shm_allreduce and strategy != "STRICT_PACK":
-            raise ValueError("cpu_shm_allreduce needs every rank on one node (placement_strategy STRICT_PACK)")
-        if not (num_cpus > 0 or num_gpus > 0 or resources):
-            raise ValueError("a rank must reserve something (num_cpus, num_gpus or resources)")
-        self.model_spec = model_spec
-        self.tp_size = tp_size
-        self.strategy = strategy
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
-        self.resources = dict(resources or {})
-        self.accelerator_type = accelerator_type
-        self.placement_timeout_s, self.setup_timeout_s = placement_timeout_s, setup_timeout_s
-        self.verify_timeout_s = verify_timeout_s
-        self.transport = transport  # how the ranks get each frame: a compiled graph, or actor calls
-        self._link: WorkerLink | None = None
-        if device == "auto" and num_gpus == 0:
-            device = "cpu"  # a rank without a reserved GPU must not grab one it happens to see
-        self.threads = omp_threads if omp_threads is not None else max(1, int(num_cpus))
-        self.options: dict[str, Any] = {
-            "device": device, "dtype": dtype, "max_slots": max_slots, "max_len": max_len, "kv_bucket": kv_bucket,
-            "acceptance": asdict(acceptance) if acceptance is not None else None,
-            "limits": asdict(limits) if limits is not None else None,
-            "backend": backend, "cpu_shm_allreduce": cpu_shm_allreduce, "threads": self.threads,
-            "threads_sharing": tp_size if strategy in ("STRICT_PACK", "PACK") else 1,
-            "num_cpus": num_cpus, "num_gpus": num_gpus,
-            "tp_grain_size": tp_grain_size, "load": load, "dist_timeout_s": dist_timeout_s,
-            "memory_plan": memory_plan,
-        }
+    def __init__(self, spec: GroupSpec, *, start: bool = True):
+        self.spec = spec
+        self.tp_size = spec.tp_size
+        self._link: WorkerLink | None = None  # one compiled graph feeding every rank
         self._lock = threading.RLock()
         self.actors: list = []
         self.rank_info: list[dict] = []
@@ -212,23 +218,20 @@ class VerifierGroup:
             self.start()
 
     @classmethod
-    def from_config(cls, settings, cfg, **overrides) -> "VerifierGroup":
+    def from_config(cls, settings, cfg) -> "VerifierGroup":
         """From the verifier deployment's ``EngineSettings`` and ``ClusterConfig`` (see deployments.verifier)."""
         from cluster.memory_plan import plan
         from deployments.settings import wire_limits
 
         v, full = cfg.verifier, plan(cfg)
         rank = next((r for r in full.replicas if r.role == "verifier rank"), None)  # None when tp is 1
-        kwargs = dict(tp_size=cfg.target.tensor_parallel, device=settings.device, dtype=settings.dtype,
-                      max_slots=settings.max_slots, max_len=settings.max_len, acceptance=settings.acceptance,
-                      limits=wire_limits(cfg), num_cpus=v.num_cpus, num_gpus=v.num_gpus, resources=v.resources,
-                      accelerator_type=v.accelerator_type, placement_strategy=v.placement_strategy,
-                      omp_threads=v.num_threads,
-                      transport="compiled" if cfg.router.transport == "compiled" else "actor",
-                      memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,
-                                            "report": full.report()})
-        kwargs.update(overrides)
-        return cls(settings.target, **kwargs)
+        return cls(GroupSpec(settings.target, tp_size=cfg.target.tensor_parallel, device=settings.device,
+                             dtype=settings.dtype, max_slots=settings.max_slots, max_len=settings.max_len,
+                             acceptance=settings.acceptance, limits=wire_limits(cfg), num_cpus=v.num_cpus,
+                             num_gpus=v.num_gpus, resources=dict(v.resources), accelerator_type=v.accelerator_type,
+                             placement_strategy=v.placement_strategy, omp_threads=v.num_threads,
+                             memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,
+                                                   "report": full.report()}))
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -247,41 +250,36 @@ class VerifierGroup:
                      time.perf_counter() - t0)
 
     def _bundle(self) -> dict[str, float]:
-        bundle = {"CPU": float(self.num_cpus)} if self.num_cpus else {}
-        if self.num_gpus:
-            bundle["GPU"] = float(self.num_gpus)
-        bundle.update(self.resources)
-        if self.accelerator_type:
-            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001  # what the actor option reserves
-        return bundle
+        spec = self.spec
+        return resource_bundle(spec.num_cpus, spec.num_gpus, spec.accelerator_type, spec.resources)
 
     def _start(self) -> None:
-        self._pg = placement_group([self._bundle()] * self.tp_size, strategy=self.strategy)
+        spec = self.spec
+        self._pg = placement_group([self._bundle()] * self.tp_size, strategy=spec.strategy)
         try:
-            ray.get(self._pg.ready(), timeout=self.placement_timeout_s)
+            ray.get(self._pg.ready(), timeout=spec.placement_timeout_s)
         except GetTimeoutError:
             raise VerifierGroupError(
-                f"cannot place {self.tp_size} verifier ranks of {self._bundle()} with {self.strategy} within "
-                f"{self.placement_timeout_s:.0f} s (not enough free resources on one node?)") from None
-        env = {"TOKENIZERS_PARALLELISM": "false", **model_process_env(self.threads)}
+                f"cannot place {self.tp_size} verifier ranks of {self._bundle()} with {spec.strategy} within "
+                f"{spec.placement_timeout_s:.0f} s (not enough free resources on one node?)") from None
+        env = {"TOKENIZERS_PARALLELISM": "false", **model_process_env(spec.threads)}
         self.actors = []
         for rank in range(self.tp_size):
             opts: dict[str, Any] = dict(
-                num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
+                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env}, max_restarts=0, max_task_retries=0)
-            if self.accelerator_type:
-                opts["accelerator_type"] = self.accelerator_type
-            self.actors.append(VerifierRankActor.options(**opts).remote(rank, self.tp_size, self.model_spec,
-                                                                        self.options))
+            if spec.accelerator_type:
+                opts["accelerator_type"] = spec.accelerator_type
+            self.actors.append(VerifierRankActor.options(**opts).remote(rank, spec))
         try:
-            self.master = ray.get(self.actors[0].address.remote(), timeout=self.setup_timeout_s)
+            self.master = ray.get(self.actors[0].address.remote(), timeout=spec.setup_timeout_s)
             self.rank_info = ray.get([a.setup.remote(*self.master) for a in self.actors],
-                                     timeout=self.setup_timeout_s)
+                                     timeout=spec.setup_timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             raise VerifierGroupError(f"verifier group failed to start: {exc}") from exc
-        self.limits = group_limits(self.options, self.rank_info[0]["vocab_size"])
-        self._link = WorkerLink(f"verifier group {self.generation}", self.actors, self.transport)
+        self.limits = spec.wire_limits(self.rank_info[0]["vocab_size"])
+        self._link = WorkerLink(f"verifier group {self.generation}", self.actors)
 
     def _teardown(self, graceful: bool = False) -> None:
         link, self._link = self._link, None
@@ -322,7 +320,7 @@ class VerifierGroup:
             if self._link is None:
                 raise VerifierGroupError("the verifier group is not running")
             try:
-                return VerifyPending(self, self.generation, self._link.send(OP_VERIFY + frame))
+                return VerifyPending(self, self.generation, self._link.send(wire.OP_VERIFY + frame))
             except (RayActorError, RayChannelError) as exc:  # a rank is gone: rebuilt, then retried
                 self._fail(self.generation, f"sending to the ranks failed: {type(exc).__name__}: {exc}")
 
@@ -336,11 +334,11 @@ class VerifierGroup:
         """Fire-and-forget on every rank (ordered before any later verify); a dead rank shows up there."""
         if not seq_ids:
             return
-        frame = OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
+        frame = wire.OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
         with self._lock:
             if self._link is not None:
                 try:
-                    self._link.release(frame, self.verify_timeout_s)
+                    self._link.release(frame, self.spec.verify_timeout_s)
                 except Exception as exc:  # a lost release only leaves the slots to the ranks' LRU eviction
                     log.warning("verifier group release: %s", exc)
 
@@ -361,19 +359,19 @@ class VerifierGroup:
         """Each rank's memory and layout (``TPVerifierRank.info``)."""
         with self._lock:
             actors = list(self.actors)
-        return ray.get([a.info.remote() for a in actors], timeout=self.verify_timeout_s)
+        return ray.get([a.info.remote() for a in actors], timeout=self.spec.verify_timeout_s)
 
     # -- gathering -------------------------------------------------------------------------------------
 
     def _collect(self, pending: VerifyPending) -> VerifyOutcome:
-        deadline = time.monotonic() + self.verify_timeout_s
+        deadline = time.monotonic() + self.spec.verify_timeout_s
         answers: dict[int, Any] = {}
         failure = None
         for rank, reply in enumerate(pending.replies):
             try:
                 answers[rank] = reply.get(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:  # GetTimeoutError and RayChannelTimeoutError are TimeoutErrors
-                failure = f"no answer from rank {rank} within {self.verify_timeout_s} s"
+                failure = f"no answer from rank {rank} within {self.spec.verify_timeout_s} s"
                 break
             except (RayActorError, RayChannelError) as exc:  # a dead rank (a graph with one: every rank)
                 failure = f"rank {rank} died: {exc}"

@@ -1,5 +1,5 @@
 """The one assembly path: ``make_engine`` builds every ``Engine`` — the CLI's, the benchmarks', the tests',
-a local-stages router's and (around its ``RemoteStages``) a remote router's.
+a local-stages router's and (around its ``StageClient``) a remote router's.
 
 Kept free of pydantic and ray so that a bare GPU box with only torch + transformers can build it. The
 defaults of ``EngineSettings`` are the config's, from ``cluster/defaults.py`` (pydantic-free).
@@ -93,7 +93,7 @@ def spec_path(spec) -> str | None:
 def make_engine(settings: EngineSettings, *, stages: Stages | None = None, target_model=None, draft_model=None,
                 eos_token_ids=(), detokenize=None, goodput: GoodputController | None = None,
                 first_seq_id: int = 0) -> Engine:
-    """An engine on ``stages`` (a router's ``RemoteStages``, or stages around models already built), or on
+    """An engine on ``stages`` (a router's ``StageClient``, or stages around models already built), or on
     in-process stages built from ``settings`` (models loaded unless given). Speculates when ``settings``
     names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for; ``first_seq_id``:
     where its sequence ids start (``engine.engine.random_first_seq_id`` where other engines share the stages)."""

@@ -2,7 +2,7 @@
 
 The engine asks for ``draft_num`` chains per row, one propose call per branch (``ProposeItem.branch``: the
 proposer's usual chain for branch 0, another first token or another random stream for the others). On a
-cluster each branch's call is routed on its own (``deployments.stages``), so the branches of a micro-batch
+cluster each branch's call is routed on its own (``deployments.transport``), so the branches of a micro-batch
 are drafted on different draft replicas at the same time. ``merge_chains`` folds the chains of each row
 into one tree — a prefix shared by two chains becomes one path — and the verifier scores the whole tree in
 one target pass (``runtime.token_tree``).

@@ -543,3 +543,31 @@ def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:
 def decode_release(data: bytes, limits: WireLimits) -> Release:
     frame = _unpack(data, "release", ("seq_ids",))
     return Release(seq_ids=_seq_ids(frame, "release", limits))
+
+
+# -- stage calls ---------------------------------------------------------------------------------------
+# A stage call is one byte naming the operation followed by that operation's frame, so one method (a Serve
+# replica's ``call``, a stage worker's, a tensor-parallel rank's) and one compiled graph per worker carry
+# every operation, and a relay can pass a call on as the bytes it got.
+
+OP_PROPOSE, OP_VERIFY, OP_RELEASE = b"p", b"v", b"r"
+
+
+def serve_call(call: bytes, limits: WireLimits, *, proposer=None, verifier=None) -> bytes:
+    """Answer one stage call: decode it with ``limits`` before any model sees it, run it on the stage that
+    serves its operation, encode the answer. ``verifier`` with a ``relay`` method (a tensor-parallel group)
+    gets a verify's frame as it came: its ranks decode it, so decoding it here too would be wasted work. A
+    release reaches both stages a process hosts. Raises ``WireError`` for a malformed call or one for a stage
+    this process does not host."""
+    op, body = call[:1], call[1:]
+    if op == OP_PROPOSE and proposer is not None:
+        return encode_proposal(proposer.propose(decode_propose(body, limits)))
+    if op == OP_VERIFY and verifier is not None:
+        relay = getattr(verifier, "relay", None)
+        return encode_outcome(relay(body) if relay is not None else verifier.verify(*decode_verify(body, limits)))
+    if op == OP_RELEASE:
+        seq_ids = list(decode_release(body, limits).seq_ids)
+        for stage in {id(s): s for s in (proposer, verifier) if s is not None}.values():
+            stage.release(seq_ids)
+        return b""
+    raise WireError(f"stage operation {op!r} is not served here")

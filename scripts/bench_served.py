@@ -150,21 +150,17 @@ def new_listener(ports, taken: set[int], timeout_s: float = 60.0) -> int:
 
 def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
     """Served row name → (draft placement or None for plain, router.stages, router.transport). The
-    placements 'compiled' and 'actor' are 'offload' with the stage replicas' workers reached over compiled
-    channels or direct actor calls."""
-    from deployments.channel_stages import TRANSPORTS  # imports ray: only once init_local_ray has run
-
+    placement 'compiled' is 'offload' with the stage replicas' workers reached over compiled channels."""
     rows = {}
     for p in args.placements:
-        layout = {"local": ("local", "local", "handles"), **{t: ("offload", "remote", t) for t in TRANSPORTS}}
+        layout = {"local": ("local", "local", "handles"), "compiled": ("offload", "remote", "compiled")}
         rows[f"served speculative ({p})"] = layout.get(p, (p, "remote", "handles"))
     # A plain row per layout asked for: an idle app beside the others is not free (its router probes its
     # stages every router.probe_interval_s), so one no row needs would slow the rows being compared.
-    if any(p not in ("local", *TRANSPORTS) for p in args.placements):
+    if any(p not in ("local", "compiled") for p in args.placements):
         rows["served plain (remote)"] = (None, "remote", "handles")
-    for t in TRANSPORTS:
-        if t in args.placements:
-            rows[f"served plain ({t})"] = (None, "remote", t)
+    if "compiled" in args.placements:
+        rows["served plain (compiled)"] = (None, "remote", "compiled")
     if "local" in args.placements:
         rows["served plain (local stages)"] = (None, "local", "handles")
     return rows
@@ -243,8 +239,8 @@ def main() -> int:
                         help="rounds of the throughput rows, every row once per round, the order reversed every "
                              "other round")
     parser.add_argument("--placements", default="offload,compiled,colocated,local",
-                        help="draft placements of the served speculative rows, comma-separated ('compiled' / "
-                             "'actor': offload over the compiled-graph / actor-call transport)")
+                        help="draft placements of the served speculative rows, comma-separated ('compiled': "
+                             "offload over the compiled-graph transport)")
     parser.add_argument("--threads", default=None,
                         help="torch thread counts of the in-process rows, comma-separated (default: 1 and all cores)")
     parser.add_argument("--served-threads", type=int, default=None,

@@ -15,16 +15,15 @@ Serve handle with Poisson arrivals of streaming requests and reports:
 
     python scripts/bench_step_overhead.py [--target DIR --draft DIR] [--requests 48 --rate 6] [--tp 2]
 
-With ``--tp 2`` the target is a tensor-parallel group of two ranks (gloo on CPU): over handles the
-verifier replica feeds its ranks with actor calls, over compiled channels its stage worker does, through a
-compiled graph of its own (docs/transport.md).
+With ``--tp 2`` the target is a tensor-parallel group of two ranks (gloo on CPU), fed through a compiled
+graph of its own by the verifier replica (over handles) or by its stage worker (over compiled channels;
+docs/transport.md).
 
 Prints a table and writes JSON (default bench-out/step_overhead.json).
 
 ``--null-model`` isolates transport instead: stages that answer at once (no model) in Serve stage deployments
-built as the served app's are, reached through Serve handles (``RemoteStages``) and, in worker mode, through
-their stage workers by direct actor calls and Ray Compiled Graph channels (``ChannelStages``, membership from a
-``WorkerDirectory``), in one run; it reports p50/p99 round trip per stage call (msgpack encode/decode
+built as the served app's are, reached through Serve handles and, in worker mode, through their stage workers over
+Ray Compiled Graph channels (``deployments.transport.client.connect_stages``, as the router connects), in one run; it reports p50/p99 round trip per stage call (msgpack encode/decode
 included), one call in flight and two micro-batches in flight (default bench-out/step_overhead_null.json).
 """
 
@@ -117,7 +116,7 @@ async def drive(router, prompts, rate: float, max_tokens: int, seed: int):
 
 
 def wait_for_workers(router, drafts: int, verifiers: int, timeout_s: float = 120.0) -> None:
-    """Until the router's directory has registered the stage replicas' workers (compiled/actor transport)."""
+    """Until the router's directory has registered the stage replicas' workers (compiled transport)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         workers = router.info.remote().result()["workers"]
@@ -240,8 +239,6 @@ def null_app(cfg):
     from deployments.app import QUIET
     from deployments.settings import wire_limits
     from deployments.stage_host import StageHost
-    from deployments.stage_workers import OP_PROPOSE, OP_RELEASE, OP_VERIFY
-    from runtime import wire
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.5})
     class NullStage(StageHost):
@@ -249,31 +246,13 @@ def null_app(cfg):
             # ``peer`` (the verifier, bound into the draft) only makes one app of both, as in the served app:
             # a worker's name carries its app, and a directory lists one app's workers.
             self._init_host(wire_limits(cfg))
-            self.stage = None
             if stage in cfg.worker_stages:
                 role = "draft pool" if stage == "draft" else "verifier"
                 self._start_worker(cfg, stage, role, null_stage, generation=NULL_GENERATION, threads=1, num_gpus=0,
                                    slot_gauge="draft" if stage == "draft" else "target")
             else:
-                self.stage = NullProposer()
-
-        async def propose(self, frame: bytes) -> bytes:
-            await self._affinity()
-            if self.worker is not None:
-                return await self._forward(OP_PROPOSE, frame)
-            return wire.encode_proposal(await self._run(self.stage.propose, wire.decode_propose(frame, self.limits)))
-
-        async def verify(self, frame: bytes) -> bytes:
-            await self._affinity()
-            if self.worker is not None:
-                return await self._forward(OP_VERIFY, frame)
-            return wire.encode_outcome(await self._run(self.stage.verify, *wire.decode_verify(frame, self.limits)))
-
-        async def release(self, frame: bytes) -> None:
-            if self.worker is not None:
-                await self._forward(OP_RELEASE, frame)
-                return
-            await self._run(self.stage.release, list(wire.decode_release(frame, self.limits).seq_ids))
+                self._host("draft" if stage == "draft" else "target",
+                           **{"proposer" if stage == "draft" else "verifier": NullProposer()})
 
     verifier = NullStage.options(name="NullVerifier", **QUIET).bind(cfg, "verifier")
     return NullStage.options(name="NullDraft", **QUIET).bind(cfg, "draft", verifier)
@@ -301,18 +280,16 @@ def time_stages(stages, batch: int, gamma: int, steps: int, inflight: int) -> di
 
 
 def run_null_model(args) -> list[dict]:
-    """Handles: a handles-transport app. Actor and compiled: a worker-mode app (router.transport 'compiled'), its
-    workers found by a ``WorkerDirectory`` and reached through ``ChannelStages`` with the Serve handles as
-    fallback, as the router does; every timed call must reach a worker (checked)."""
+    """Handles: a handles-transport app. Compiled: a worker-mode app (router.transport 'compiled'), its
+    workers found and reached as the router does; every timed call must reach a worker (checked)."""
     import ray
     from ray import serve
 
     from cluster.config import ClusterConfig
-    from deployments.channel_stages import ChannelStages
     from deployments.launch import deploy
     from deployments.settings import wire_limits
-    from deployments.stages import RemoteStages
-    from deployments.worker_directory import DIRECTORY_INTERVAL_S, WorkerDirectory, app_key
+    from deployments.transport.client import connect_stages
+    from deployments.transport.directory import app_key
 
     app_args = {"target": {"path": args.target, "max_model_len": 512}, "draft": {"kind": "model", "path": args.draft},
                 "speculation": {"gamma": args.gamma, "adaptive": False}, "router": {"max_running": 64}}
@@ -322,26 +299,21 @@ def run_null_model(args) -> list[dict]:
     for app, cfg in cfgs.items():
         deploy(null_app(cfg), app, timeout_s=300)
 
-    def handles(app: str) -> RemoteStages:  # probed as the router probes its stages
+    def connect(app: str, workers_of: str | None = None):  # probed as the router probes its stages
         router = cfgs[app].router
-        return RemoteStages(serve.get_deployment_handle("NullDraft", app_name=app),
-                            serve.get_deployment_handle("NullVerifier", app_name=app), limits,
-                            draft_timeout_s=30, verify_timeout_s=30, probe_interval_s=router.probe_interval_s,
-                            probe_timeout_s=router.probe_timeout_s)
+        return connect_stages(limits, serve.get_deployment_handle("NullDraft", app_name=app),
+                              serve.get_deployment_handle("NullVerifier", app_name=app), draft_timeout_s=30,
+                              verify_timeout_s=30, shard_prefix="null", probe_interval_s=router.probe_interval_s,
+                              probe_timeout_s=router.probe_timeout_s, workers_of=workers_of)
 
-    transports = {"codec only": CodecStages(limits), "handle": handles("null-handles")}
-    fallback = handles("null-workers")  # one, as in a router: the two ChannelStages stand for one router each in turn
-    directories = []
-    for kind in ("actor", "compiled"):
-        stages = ChannelStages(limits, transport=kind, draft_timeout_s=30, verify_timeout_s=30, fallback=fallback)
-        directories.append(WorkerDirectory(stages, app_key("null-workers", NULL_GENERATION),
-                                           DIRECTORY_INTERVAL_S).start())
-        deadline = time.monotonic() + 60
-        while not (stages.drafts.all() and stages.verifiers.all()):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the null app's stage workers were not registered within 60 s")
-            time.sleep(0.2)
-        transports[kind] = stages
+    transports = {"codec only": CodecStages(limits), "handle": connect("null-handles")}
+    compiled = connect("null-workers", workers_of=app_key("null-workers", NULL_GENERATION))
+    deadline = time.monotonic() + 60
+    while not (compiled.draft.all() and compiled.verifier.all()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the null app's stage workers were not registered within 60 s")
+        time.sleep(0.2)
+    transports["compiled"] = compiled
     results = []
     for repeat in range(args.repeats):  # interleaved, so load from other processes hits every transport alike
         for kind, stages in transports.items():
@@ -350,12 +322,9 @@ def run_null_model(args) -> list[dict]:
                 r = time_stages(stages, args.null_batch, args.gamma, args.null_steps, inflight)
                 results.append({"transport": kind, "inflight": inflight, "repeat": repeat,
                                 "load_average_1min": os.getloadavg()[0], **r})
-    for kind in ("actor", "compiled"):
-        by_handles = {way: n for way, n in transports[kind].calls.items() if way.endswith("_handles")}
-        if by_handles:
-            raise RuntimeError(f"{kind}: calls went through the Serve handles, not the workers: {by_handles}")
-    for directory in directories:
-        directory.stop()
+    by_handles = {way: n for way, n in compiled.calls.items() if way.endswith(" handles")}
+    if by_handles:
+        raise RuntimeError(f"compiled: calls went through the Serve handles, not the workers: {by_handles}")
     for stages in transports.values():
         stages.close()
     for app in cfgs:
@@ -367,7 +336,7 @@ def run_null_model(args) -> list[dict]:
 def report_null_model(args, results: list[dict], load: dict) -> int:
     header = ("transport", "in flight", "draft p50 ms", "draft p99 ms", "verify p50 ms", "verify p99 ms")
     rows = []
-    for kind in ("codec only", "handle", "actor", "compiled"):
+    for kind in ("codec only", "handle", "compiled"):
         for inflight in (1, 2):
             rs = [r for r in results if r["transport"] == kind and r["inflight"] == inflight]
             med = {f"{st}_{q}": statistics.median(r[st][q] for r in rs) for st in ("draft", "verify") for q in ("p50", "p99")}
@@ -405,7 +374,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--transports", default="handles,compiled",
-                        help="router.transport of the served modes, comma-separated (handles, compiled, actor)")
+                        help="router.transport of the served modes, comma-separated (handles, compiled)")
     parser.add_argument("--null-model", action="store_true", help="stages that answer at once: transport only")
     parser.add_argument("--null-batch", type=int, default=16, help="rows per micro-batch (--null-model)")
     parser.add_argument("--null-steps", type=int, default=1000, help="timed steps per repeat (--null-model)")

@@ -32,18 +32,19 @@ BODY_TIMEOUT_S, MAX_PENDING_BODIES = 6.0, 310
 
 
 def assert_stages_refuse_malformed_frames(app_name: str) -> None:
-    """Stage frames no router sends (not msgpack, a map of the wrong shape, a reserved byte, one byte over the
-    size cap), straight to the app's draft pool and verifier: each is refused with ``WireError``."""
+    """Stage calls no router sends (not msgpack, a map of the wrong shape, a reserved byte, one byte over the
+    size cap, an operation the replica does not serve), straight to the app's draft pool and verifier: each
+    is refused with ``WireError``."""
     from ray import serve
 
     from runtime import wire
 
     frames = (b"\x00garbage", b"\x81\xa1v\x63", b"\xc1", bytes(wire.MAX_FRAME_BYTES + 1))
-    for name, method in (("DraftPool", "propose"), ("Verifier", "verify")):
-        call = getattr(serve.get_deployment_handle(name, app_name=app_name), method)
-        for frame in frames:
+    for name, op in (("DraftPool", wire.OP_PROPOSE), ("Verifier", wire.OP_VERIFY)):
+        handle = serve.get_deployment_handle(name, app_name=app_name)
+        for call in (*(op + frame for frame in frames), b"x" + wire.encode_release(wire.Release((1,)))):
             with pytest.raises(wire.WireError):
-                call.remote(frame).result()
+                handle.call.remote(call).result()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The compiled step loop (``deployments.channel_stages``) over stage-worker actors, without Serve.
+"""The stage client over compiled links (``deployments.transport``) to stage-worker actors, without Serve.
 
-Greedy outputs through compiled channels and through direct actor calls equal the in-process engine's,
+Greedy outputs through compiled channels equal the in-process engine's,
 with two micro-batches in flight and three draft workers (one that no micro-batch maps to); a draft worker killed mid-run turns its steps
 into target-only steps and leaves membership; a verifier worker killed between steps costs re-prefills
 on its replacement; a draft worker added under load joins. No request is lost or truncated in any case.
@@ -97,17 +97,19 @@ def pool(parts):
     pool.close()
 
 
-def _engine(settings, limits, pool: WorkerPool, transport: str, n_drafts: int = 2):
-    from deployments.channel_stages import ChannelStages
+def _engine(settings, limits, pool: WorkerPool, n_drafts: int = 2):
+    from deployments.transport.client import StageClient
+    from deployments.transport.routes import WorkerRoute
     from engine.assembly import make_engine
     from engine.engine import random_first_seq_id
 
     drafts, verifier = pool.take(n_drafts)
     # Generous: on the shared 2-core box a loaded step can take seconds, and a timed-out draft would be a
     # (correct) target-only step that the equality test would count as a fallback.
-    stages = ChannelStages(limits, transport=transport, draft_timeout_s=120.0, verify_timeout_s=120.0)
-    stages.set_draft_workers(drafts)
-    stages.set_verifier_workers({"verifier-0": verifier})
+    stages = StageClient(limits, draft=WorkerRoute("draft"), verifier=WorkerRoute("verifier"), draft_timeout_s=120.0,
+                         verify_timeout_s=120.0)
+    stages.draft.set(drafts)
+    stages.verifier.set({"verifier-0": verifier})
     engine = make_engine(settings, stages=stages, first_seq_id=random_first_seq_id())
     assert engine.micro_batches == 2
     return engine, stages, drafts, verifier
@@ -132,29 +134,28 @@ def _run(engine, requests, on_step=None) -> list[list[int]]:
     return [list(engine.output(i).tokens) for i in ids]
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor"])
-def test_outputs_equal_the_in_process_engine(parts, pool, transport):
+def test_outputs_equal_the_in_process_engine(parts, pool):
     """Three draft workers for two micro-batches: the third drafts nothing and still gets every release.
     A second batch whose rows finish at different steps sends it more releases than a compiled graph holds
     in flight, unless the link reads them (``WorkerLink.release``)."""
     import dataclasses
 
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, pool, transport, n_drafts=3)
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, n_drafts=3)
     try:
         assert _run(engine, requests) == expected
         staggered = [dataclasses.replace(r, max_tokens=4 * (i + 1)) for i, r in enumerate(requests)]
         assert _run(engine, staggered) == [e[:4 * (i + 1)] for i, e in enumerate(expected)]
         assert stages.fallbacks == 0
         assert any(stage == "draft" for stage, _, _ in stages.timings.drain())  # it drafted remotely
-        assert len(stages.drafts.all()) == 3 and stages.drafts.rebuilds == 1  # none dropped
+        assert len(stages.draft.all()) == 3 and stages.draft.rebuilds == 1  # none dropped
     finally:
         _close(stages)
 
 
 def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled")
+    engine, stages, drafts, verifier = _engine(settings, limits, pool)
     victim = drafts["draft-0"]
 
     def kill(step):
@@ -163,7 +164,7 @@ def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts, 
 
     try:
         assert _run(engine, requests, kill) == expected
-        assert [link.key for link in stages.drafts.all()] == ["draft-1"]
+        assert [link.key for link in stages.draft.all()] == ["draft-1"]
         assert stages.fallback_reasons["draft_died"] + stages.fallback_reasons["draft_timeout"] >= 1
     finally:
         _close(stages)
@@ -171,13 +172,13 @@ def test_dead_draft_worker_means_target_only_steps_and_leaves_membership(parts, 
 
 def test_dead_verifier_worker_resyncs_on_its_replacement(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled")
+    engine, stages, drafts, verifier = _engine(settings, limits, pool)
 
     def replace(step):
         if step == 4:
             pool.killed(verifier)
             engine.step()  # the step that finds it dead: its rows are marked for re-prefill
-            stages.set_verifier_workers({"verifier-1": pool.start_verifier()})
+            stages.verifier.set({"verifier-1": pool.start_verifier()})
 
     try:
         assert _run(engine, requests, replace) == expected
@@ -188,15 +189,15 @@ def test_dead_verifier_worker_resyncs_on_its_replacement(parts, pool):
 
 def test_draft_worker_added_under_load_joins(parts, pool):
     settings, limits, requests, expected = parts
-    engine, stages, drafts, verifier = _engine(settings, limits, pool, "compiled", n_drafts=1)
+    engine, stages, drafts, verifier = _engine(settings, limits, pool, n_drafts=1)
     spare = pool.take(2)[0]["draft-1"]  # a worker of the pool that the engine's graphs do not reach yet
 
     def grow(step):
         if step == 3:
-            stages.set_draft_workers({**drafts, "draft-new": spare})
+            stages.draft.set({**drafts, "draft-new": spare})
 
     try:
         assert _run(engine, requests, grow) == expected
-        assert [link.key for link in stages.drafts.all()] == ["draft-0", "draft-new"]
+        assert [link.key for link in stages.draft.all()] == ["draft-0", "draft-new"]
     finally:
         _close(stages)

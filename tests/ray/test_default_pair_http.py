@@ -56,7 +56,7 @@ def test_json_prompts_get_json(client):
 
 def test_code_prompts_continue_the_function(client):
     # The toy target continues a function body (indented, parseable for about half the prompts in the
-    # benchmark) but mostly with comments: see README, "Embedded default pair", for that limit.
+    # benchmark) but mostly with comments: see docs/models.md, "Embedded default pair", for that limit.
     answers = _complete(client, "code", 64)
     assert all(text.startswith((" ", "\t", "\n")) for _, text in answers), answers
     assert sum(code_ok(prompt, text) for prompt, text in answers) >= 2, answers

@@ -63,16 +63,16 @@ def test_requests_match_what_build_app_asks_ray_for(name: str) -> None:
 
 
 def test_rank_bundle_matches_the_verifier_group() -> None:
-    from deployments.verifier_group import VerifierGroup
+    from deployments.verifier_group import GroupSpec, VerifierGroup
 
     cfg = _configs()["h200"]
     v = cfg.verifier
-    group = VerifierGroup({"tiny": {"seed": 0}}, tp_size=cfg.target.tensor_parallel, num_cpus=v.num_cpus,
-                          num_gpus=v.num_gpus, resources=v.resources, accelerator_type=v.accelerator_type,
-                          placement_strategy=v.placement_strategy, start=False)
+    group = VerifierGroup(GroupSpec({"tiny": {"seed": 0}}, tp_size=cfg.target.tensor_parallel, num_cpus=v.num_cpus,
+                                    num_gpus=v.num_gpus, resources=v.resources, accelerator_type=v.accelerator_type,
+                                    placement_strategy=v.placement_strategy), start=False)
     (rank,) = [r for r in requests(cfg) if r.role == "verifier-rank"]
     assert group._bundle() == rank.bundle
-    assert (group.tp_size, group.strategy) == (rank.gang, rank.strategy)
+    assert (group.tp_size, group.spec.strategy) == (rank.gang, rank.strategy)
 
 
 def _run_scenario(budget_s: float) -> tuple[int, str, str]:

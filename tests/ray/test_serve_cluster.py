@@ -153,12 +153,12 @@ def test_64_concurrent_streaming_and_unary(router, prompts, references):
     info = router.info.remote().result()
     assert info["stats"]["proposed"] > 0  # speculation actually happened
     if info["transport"] == "compiled":  # and its frames went through the workers' channels, not handles
-        calls, was = info["workers"]["calls"], before["workers"]["calls"]
-        assert calls.get("verify", 0) - was.get("verify", 0) >= 10, (was, calls)
-        assert calls.get("draft", 0) - was.get("draft", 0) >= 10, (was, calls)
-        assert calls.get("verify_handles", 0) == was.get("verify_handles", 0), (was, calls)
+        calls, was = info["calls"], before["calls"]
+        assert calls.get("verify compiled", 0) - was.get("verify compiled", 0) >= 10, (was, calls)
+        assert calls.get("draft compiled", 0) - was.get("draft compiled", 0) >= 10, (was, calls)
+        assert calls.get("verify handles", 0) == was.get("verify handles", 0), (was, calls)
         # draft_num 2: every speculative step drafted on both workers (prefill-only steps draft nothing)
-        drafts, verifies = (calls.get(k, 0) - was.get(k, 0) for k in ("draft", "verify"))
+        drafts, verifies = (calls.get(k, 0) - was.get(k, 0) for k in ("draft compiled", "verify compiled"))
         assert drafts >= 1.5 * verifies, (was, calls)
 
 
@@ -329,7 +329,7 @@ def test_redeploying_with_a_draft_replica_fewer_under_load_loses_no_request(rout
     keep arriving, until the new router serves. The config is every deployment's init argument, so Serve
     rolls the whole app: a new router, ingress and stage replicas start while the old ones drain. The old
     router must finish its requests on the workers of its own build and the new one use the new build's,
-    never each other's (``deployments.worker_directory.app_key``): before that, the draining router compiled
+    never each other's (``deployments.transport.directory.app_key``): before that, the draining router compiled
     graphs onto the new workers, every stage call of both routers waited out its timeout, and 63 of 64
     requests failed. Where both routers still reach one stage replica (over handles), their sequence ids
     differ (``engine.engine.random_first_seq_id``): both counting from 0, one request in ~500 came out

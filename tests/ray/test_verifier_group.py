@@ -105,11 +105,11 @@ def reference(prompts):
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    from deployments.verifier_group import VerifierGroup
+    from deployments.verifier_group import GroupSpec, VerifierGroup
 
     t0 = time.perf_counter()
-    g = VerifierGroup(SPEC, tp_size=2, device="cpu", dtype="float32", max_slots=SLOTS, max_len=MAX_LEN, num_cpus=1,
-                      verify_timeout_s=120, dist_timeout_s=120, transport="compiled")
+    g = VerifierGroup(GroupSpec(SPEC, tp_size=2, device="cpu", dtype="float32", max_slots=SLOTS, max_len=MAX_LEN,
+                                num_cpus=1, verify_timeout_s=120, dist_timeout_s=120))
     print(f"TP=2 verifier group started in {time.perf_counter() - t0:.1f} s")
     yield g
     g.shutdown()

@@ -1,6 +1,6 @@
 """scripts/bench_scenarios.py end to end on the embedded default pair, small: 2 prompts, 8 tokens.
 
-Checks what the report must hold, not how fast anything was (figures come from full runs, README):
+Checks what the report must hold, not how fast anything was (figures come from full runs, docs/results.md):
 every scenario row with its ratios, the bound, the fixed-γ sweep and the HF comparisons, the validity
 shares, the batch row, the greedy identity counts equal to the number of comparisons, and the three
 output files in the --out folder. Then a chat-style prompts file (``messages`` rows through the pair's chat

@@ -322,7 +322,7 @@ def test_every_field_is_described_and_every_model_forbids_extras() -> None:
 @pytest.mark.parametrize("sections, expected", [
     ({}, set()),  # handles: no stage workers
     ({"router": {"transport": "compiled"}}, {"draft", "verifier"}),
-    ({"router": {"transport": "actor"}, "draft": {"kind": "none", "path": None}}, {"verifier"}),
+    ({"router": {"transport": "compiled"}, "draft": {"kind": "none", "path": None}}, {"verifier"}),
     # the verifier's worker drives the group of ranks
     ({"router": {"transport": "compiled"}, "target": {"tensor_parallel": 2}}, {"draft", "verifier"}),
     ({"router": {"transport": "compiled"}, "draft_pool": {"placement": "colocated"}}, set()),

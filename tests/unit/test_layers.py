@@ -1,10 +1,11 @@
 """The layer contract in pyproject.toml ([tool.importlinter]) holds, and it is a check that can fail.
 
 Layers, top to bottom: specserve (CLI) > deployments (Ray) > evaluation > engine > verifier | draftpool >
-runtime > cluster; beside them tools/ (scripts and tests only: no Ray, and no product package imports it).
-`lint-imports` must pass on the repository; a copy of the packages with one upward import added
-(runtime -> engine), one Ray import outside deployments/, one Ray import in tools/ and one import of tools/
-from the product must fail it, naming each.
+runtime > cluster; beside them tools/ (scripts and tests only: no Ray, and no product package imports it);
+inside deployments/, the transport package uses nothing of the rest. `lint-imports` must pass on the
+repository; a copy of the packages with one upward import added (runtime -> engine), one Ray import outside
+deployments/, one Ray import in tools/, one import of tools/ from the product and one of the replica side
+from the transport must fail it, naming each.
 """
 
 from __future__ import annotations
@@ -29,16 +30,21 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(LINT), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
+def _copy(root: Path) -> None:
+    """The packages and their contracts, for a copy to break."""
+    for pkg in _packages():
+        shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+
+
 def test_repository_keeps_every_contract():
     res = _lint(REPO)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") == 6, res.stdout
+    assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") == 7, res.stdout
 
 
 def test_an_upward_import_and_ray_outside_deployments_break_it(tmp_path):
-    for pkg in _packages():
-        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    _copy(tmp_path)
     assert _lint(tmp_path).returncode == 0  # the copy alone is clean
 
     kv = tmp_path / "runtime" / "kv_cache.py"
@@ -52,9 +58,7 @@ def test_an_upward_import_and_ray_outside_deployments_break_it(tmp_path):
 
 
 def test_ray_in_tools_and_tools_in_the_product_break_it(tmp_path):
-    for pkg in _packages():
-        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    _copy(tmp_path)
     assert "tools" in _packages() and _lint(tmp_path).returncode == 0
 
     loadgen = tmp_path / "tools" / "loadgen.py"
@@ -69,3 +73,11 @@ def test_ray_in_tools_and_tools_in_the_product_break_it(tmp_path):
     launch.write_text(launch.read_text() + "\nfrom tools import loadgen as _tool  # noqa: E402,F401\n")
     res = _lint(tmp_path)
     assert res.returncode != 0 and "deployments.launch -> tools.loadgen" in res.stdout, res.stdout
+
+
+def test_the_transport_importing_the_replica_side_breaks_it(tmp_path):
+    _copy(tmp_path)
+    links = tmp_path / "deployments" / "transport" / "links.py"
+    links.write_text(links.read_text() + "\nfrom deployments import stage_workers as _replica  # noqa: E402,F401\n")
+    res = _lint(tmp_path)
+    assert res.returncode != 0 and "deployments.transport.links -> deployments.stage_workers" in res.stdout, res.stdout

@@ -508,3 +508,54 @@ def test_config_batch_cap_matches_wire() -> None:
     from cluster.config import MAX_BATCH_CAP
 
     assert MAX_BATCH_CAP == wire.MAX_ROWS
+
+
+class _Stage:
+    """Records what ``serve_call`` ran on it; drafts a proposal or verifies to a fixed outcome."""
+
+    def __init__(self, relay: bool = False):
+        self.seen: list = []
+        if relay:
+            self.relay = lambda body: (self.seen.append(("relay", body)), outcome())[1]
+
+    def propose(self, items):
+        self.seen.append(("propose", [it.sync.seq_id for it in items]))
+        return greedy_proposal()
+
+    def verify(self, items, proposal):
+        self.seen.append(("verify", [it.sync.seq_id for it in items]))
+        return outcome()
+
+    def release(self, seq_ids):
+        self.seen.append(("release", seq_ids))
+
+
+def test_serve_call_runs_each_operation_on_the_stage_that_serves_it() -> None:
+    draft, target = _Stage(), _Stage()
+    call = wire.OP_PROPOSE + wire.encode_propose(propose_items())
+    assert_same_batch(wire.decode_proposal(wire.serve_call(call, LIMITS, proposer=draft), LIMITS), greedy_proposal())
+    verify = wire.encode_verify([VerifyItem(SyncItem(7, 0, (1,)))], greedy_proposal().select([7]))
+    answer = wire.serve_call(wire.OP_VERIFY + verify, LIMITS, proposer=draft, verifier=target)
+    assert wire.decode_outcome(answer, LIMITS).seq_ids == outcome().seq_ids
+    release = wire.OP_RELEASE + wire.encode_release(Release((3, 4)))
+    assert wire.serve_call(release, LIMITS, proposer=draft, verifier=target) == b""
+    assert draft.seen == [("propose", [7, 2**40, 0]), ("release", [3, 4])]
+    assert target.seen == [("verify", [7]), ("release", [3, 4])]
+    both = _Stage()  # one object serving both operations is released once
+    wire.serve_call(release, LIMITS, proposer=both, verifier=both)
+    assert both.seen == [("release", [3, 4])]
+
+
+def test_serve_call_relays_a_verify_as_it_came() -> None:
+    group = _Stage(relay=True)
+    verify = wire.encode_verify([VerifyItem(SyncItem(7, 0, (1,)))], greedy_proposal().select([7]))
+    wire.serve_call(wire.OP_VERIFY + verify, LIMITS, verifier=group)
+    assert group.seen == [("relay", verify)]
+
+
+@pytest.mark.parametrize("call", [b"", b"x" + wire.encode_release(Release((1,))),
+                                  wire.OP_VERIFY + wire.encode_propose(propose_items()),
+                                  wire.OP_PROPOSE + b"\x00garbage"])
+def test_serve_call_refuses_what_it_does_not_serve(call: bytes) -> None:
+    with pytest.raises(WireError):
+        wire.serve_call(call, LIMITS, proposer=_Stage(), verifier=None)

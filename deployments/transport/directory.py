@@ -1,12 +1,12 @@
 """How the router finds the stage workers of its app: named actors, looked up in Ray's GCS.
 
-A stage replica in worker mode (``router.transport`` 'actor' or 'compiled', ``deployments.stage_host``)
-starts its ``StageWorker`` under the name ``worker_name(app_key(app, generation), stage, replica)``. The
-router's ``WorkerDirectory`` lists the live named actors every ``interval_s`` and keeps ``ChannelStages``'
-membership equal to the workers of its own app and generation (``app_key``) that answer a ping (a worker
-still loading its model does not yet). Pulling from the GCS instead of having replicas push registrations
-means a restarted router finds every worker at once, and a replica that dies takes its worker, and so its
-name, with it: the next refresh drops it and ``ChannelStages`` tears its graph down.
+A stage replica in worker mode (``router.transport`` 'compiled', ``deployments.stage_host``) starts its
+``StageWorker`` under the name ``worker_name(app_key(app, generation), stage, replica)``. The router's
+``WorkerDirectory`` lists the live named actors every ``interval_s`` and keeps each stage's ``WorkerRoute``
+equal to the workers of its own app and generation (``app_key``) that answer a ping (a worker still loading
+its model does not yet). Pulling from the GCS instead of having replicas push registrations means a
+restarted router finds every worker at once, and a replica that dies takes its worker, and so its name,
+with it: the next refresh drops it and its route tears its graph down.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 
 import ray
 
-log = logging.getLogger("specserve.worker_directory")
+log = logging.getLogger("specserve.transport")
 
 WORKER_PREFIX = "specserve-worker"
 STAGES = ("draft", "verifier")
@@ -52,10 +52,11 @@ def list_workers(app: str) -> dict[str, dict[str, tuple[str, str]]]:
 
 
 class WorkerDirectory:
-    """Keeps the membership of ``stages`` (a ``ChannelStages``) equal to the live, ready workers of ``app``."""
+    """Keeps the membership of each stage's route (``routes``: stage → ``WorkerRoute`` or None for a stage
+    that is not there) equal to the live, ready workers of ``app``."""
 
-    def __init__(self, stages, app: str, interval_s: float):
-        self.stages, self.app, self.interval_s = stages, app, interval_s
+    def __init__(self, routes: dict, app: str, interval_s: float):
+        self.routes, self.app, self.interval_s = routes, app, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specserve-worker-directory", daemon=True)
 
@@ -71,7 +72,9 @@ class WorkerDirectory:
         """Register the listed workers that are not members yet and answer a ping (one dropped after a
         timeout comes back this way), unregister members no longer listed."""
         for stage, names in list_workers(self.app).items():
-            membership = self.stages.drafts if stage == "draft" else self.stages.verifiers
+            membership = self.routes.get(stage)
+            if membership is None:
+                continue
             members = {link.key: link.worker for link in membership.all()}
             current = {name: members[name] for name in names if name in members}
             for name in names.keys() - members.keys():
