@@ -1,0 +1,200 @@
+"""The host lab (``tools.hostlab``) on real namespaces: hosts that reach each other and nothing else, sshd on
+each lab address only, netem delay and loss, a partition, a killed host, and teardown that leaves nothing,
+also after a run that was killed. Each test puts back what it changes on the shared lab."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.lab.conftest import LIFECYCLE_NET, LIFECYCLE_PREFIX
+from tools.hostlab import NETEM_MISSING, HostLab, NetemUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ping(lab, src, dst, count=1, wait_s=1, interval_s=0.2) -> subprocess.CompletedProcess:
+    return lab.exec(src, ["ping", "-n", "-q", "-c", str(count), "-i", str(interval_s), "-W", str(wait_s),
+                          dst.address])
+
+
+def min_rtt_ms(lab, src, dst, count=5) -> float:
+    out = ping(lab, src, dst, count=count)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return float(re.search(r"= ([\d.]+)/", out.stdout).group(1))  # rtt min/avg/max/mdev = a/b/c/d ms
+
+
+def connect(address, timeout_s=1.0) -> str:
+    try:
+        socket.create_connection((address, 22), timeout=timeout_s).close()
+        return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:  # timed out, unreachable
+        return "silent"
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Anything carrying ``prefix``, read straight from ip, /proc and /tmp (not through tools.hostlab)."""
+    found = [f"netns {line}" for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+             .stdout.splitlines() if prefix in line]
+    found += [f"link {line}" for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
+              .stdout.splitlines() if prefix in line]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if prefix in cmdline and int(proc.name) != os.getpid():
+            found.append(f"process {proc.name}: {cmdline}")
+    found += [f"dir {p}" for p in Path("/tmp").glob(prefix + "-*")]
+    return found
+
+
+def test_hosts_reach_each_other_and_this_machine(lab):
+    for src in lab.hosts:
+        for dst in lab.hosts:
+            if dst != src:
+                out = ping(lab, src, dst)
+                assert out.returncode == 0, f"{src.name} -> {dst.name}: {out.stdout}{out.stderr}"
+        assert connect(src.address) == "open"  # this machine reaches each host's sshd over the bridge
+
+
+def test_ssh_lands_on_the_host_and_the_host_sees_only_the_lab(lab):
+    for host in lab.hosts:
+        out = lab.ssh(host, "ip -4 -o addr show; echo ---; ip -4 route show")
+        assert out.returncode == 0, out.stderr
+        addrs, routes = out.stdout.split("---\n")
+        assert set(re.findall(r"inet (\S+)", addrs)) == {"127.0.0.1/8", f"{host.address}/24"}
+        # One route, to the lab's /24, and no default: nothing the host sends can leave the lab.
+        assert [line.split()[0] for line in routes.splitlines()] == [str(lab.subnet)]
+
+
+def test_ssh_config_works_with_ssh_F(lab):
+    host = lab.hosts[1]
+    out = subprocess.run(["ssh", "-F", str(lab.config_file), host.name, "ip -4 -o addr show dev eth0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and host.address in out.stdout, out.stderr
+
+
+def test_sshd_listens_only_on_the_lab_address(lab):
+    for host in lab.hosts:
+        out = lab.exec(host, ["ss", "-ltnH"])
+        assert [line.split()[3] for line in out.stdout.splitlines()] == [f"{host.address}:22"], out.stdout
+
+
+def test_netem_adds_delay_and_loss(lab):
+    if not lab.netem_available():
+        pytest.skip(NETEM_MISSING)
+    a, b = lab.hosts[0], lab.hosts[1]
+    assert min_rtt_ms(lab, a, b) < 5
+    try:
+        lab.netem(b, delay_ms=40)
+        # Delayed both ways on b's link: a round trip gains 2 x 40 ms.
+        assert min_rtt_ms(lab, a, b) >= 2 * 40 * 0.95
+        lab.netem(b, loss_pct=100)
+        assert ping(lab, a, b, count=2).returncode != 0
+    finally:
+        lab.clear_netem(b)
+    assert min_rtt_ms(lab, a, b) < 5
+
+
+def test_netem_without_the_kernels_netem_says_so_and_changes_nothing(lab):
+    if lab.netem_available():
+        pytest.skip("this kernel has netem: test_netem_adds_delay_and_loss checks it")
+    b = lab.hosts[1]
+    with pytest.raises(NetemUnavailable, match="CONFIG_NET_SCH_NETEM"):
+        lab.netem(b, delay_ms=40)
+    for netns in ([], ["-n", b.name]):
+        qdiscs = subprocess.run(["tc", *netns, "qdisc", "show", "dev", "eth0" if netns else b.name],
+                                capture_output=True, text=True).stdout
+        assert "netem" not in qdiscs
+    assert min_rtt_ms(lab, lab.hosts[0], b) < 5
+
+
+def test_link_down_partitions_the_host_and_link_up_restores_it(lab):
+    a, c = lab.hosts[0], lab.hosts[2]
+    try:
+        lab.link_down(c)
+        assert ping(lab, a, c).returncode != 0
+        assert connect(c.address, timeout_s=0.5) == "silent"
+        assert lab.exec(c, ["ip", "netns", "identify"]).returncode == 0  # the host itself lives on
+    finally:
+        lab.link_up(c)
+    assert any(ping(lab, a, c, wait_s=2).returncode == 0 for _ in range(5))
+    assert lab.ssh(c, "true").returncode == 0
+
+
+def test_kill_host_kills_everything_in_it_and_sshd_restarts(lab):
+    c = lab.hosts[2]
+    pids = subprocess.run(["ip", "netns", "pids", c.name], capture_output=True, text=True).stdout.split()
+    assert pids  # its sshd
+    lab.kill_host(c)
+    assert subprocess.run(["ip", "netns", "pids", c.name], capture_output=True, text=True).stdout.split() == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert connect(c.address) == "refused"  # the host's kernel answers; nothing listens
+    lab.restart_sshd(c)
+    assert lab.ssh(c, "true").returncode == 0
+
+
+def test_close_leaves_nothing(make_lab):
+    prefix = LIFECYCLE_PREFIX
+    lab = make_lab(2).start()
+    assert lab.ssh(lab.hosts[0], "true").returncode == 0
+    assert len(leftovers(prefix)) >= 2 + 3 + 2 + 1  # namespaces, links, sshds, the lab dir
+    lab.close()
+    assert leftovers(prefix) == []
+    lab.close()  # twice is fine
+
+
+def test_the_next_lab_cleans_up_after_a_killed_one(make_lab):
+    prefix = LIFECYCLE_PREFIX
+    # A real killed run: the CLI brings a lab up and is SIGKILLed, leaving its sshd, namespace, links, dir.
+    cli = subprocess.Popen([sys.executable, str(REPO / "scripts/hostlab.py"), "--prefix", prefix,
+                            "up", "1", "--net", str(LIFECYCLE_NET)], stdout=subprocess.PIPE, text=True)
+    hung = threading.Timer(30, cli.kill)  # a CLI that hangs silently ends the readline below too
+    hung.start()
+    try:
+        while "ready" not in (line := cli.stdout.readline()):
+            assert line, "the CLI exited or hung before its lab was up"
+    finally:
+        hung.cancel()
+        cli.send_signal(signal.SIGKILL)
+        cli.wait()
+        cli.stdout.close()
+    # And a namespace and a link made by hand, with a process in the namespace.
+    subprocess.run(["ip", "netns", "add", f"{prefix}-h7"], check=True)
+    subprocess.run(["ip", "link", "add", f"{prefix}-x", "type", "veth", "peer", "name", f"{prefix}-y"], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-h7", "sleep", "600"])
+    before = leftovers(prefix)
+    assert any("sshd" in item for item in before) and any("-h7" in item for item in before), before
+    with make_lab(1) as lab:
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+        now = leftovers(prefix)
+        assert not [item for item in now if "-h7" in item or f"{prefix}-x" in item], now
+        assert not set(before) & {i for i in now if i.startswith(("process", "dir"))}, now  # old sshd, old dir
+        assert lab.ssh(lab.hosts[0], "true").returncode == 0
+    assert leftovers(prefix) == []
+
+
+def test_a_lab_that_fails_halfway_through_its_start_leaves_nothing(make_lab, monkeypatch):
+    add_host = HostLab._add_host
+
+    def add_then_fail(self, host):
+        add_host(self, host)  # its namespace, veth and sshd config exist
+        if host == self.hosts[1]:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(HostLab, "_add_host", add_then_fail)
+    lab = make_lab(3)
+    with pytest.raises(RuntimeError, match="injected"):
+        lab.start()
+    assert leftovers(LIFECYCLE_PREFIX) == []
