@@ -46,9 +46,8 @@ QUIET = {"logging_config": {"enable_access_log": False}}
 # The ingress and the router run only non-blocking async code (the router's engine steps on a thread of
 # its own), so Serve may run it on the replica's own event loop instead of handing every request between
 # threads; the ingress also routes its handle calls from that loop (the router's come from its step thread,
-# which needs Serve's own routing loop). Measured on a 2-core VM: 640 simultaneous requests against a
-# capacity of 160 cost the ingress 0.57 s of CPU instead of 0.9 s, and the rejections' p99 fell from
-# 0.67-1.05 s to 0.20-0.45 s. The stage replicas compute in their handlers: Serve's defaults.
+# which needs Serve's own routing loop): a third less CPU per request (docs/measurements.md#serve-app).
+# The stage replicas compute in their handlers: Serve's defaults.
 SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 INGRESS_ENV = {**SAME_LOOP_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 

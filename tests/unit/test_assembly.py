@@ -117,12 +117,20 @@ def _deployments(app) -> dict:
             for node in _nodes(app)}
 
 
+class _UnusedHandle:
+    """A deployment handle that is never called: ``options`` gives itself back."""
+
+    def options(self, **_):
+        return self
+
+
 def _starts(app, counts: Counter) -> dict:
     """Construct each deployment's replica class once (stage handles None); what each start counted."""
     started = {}
     for name, (cls, args) in _deployments(app).items():
         if name == "OpenAIIngress":
             cls = cls.__mro__[1]  # the class under serve.ingress's ASGI wrapper, whose __init__ is a coroutine
+            args = [_UnusedHandle() if a is None else a for a in args]  # it sets its router handle's options
         counts.clear()
         replica = cls(*args)
         started[name] = dict(counts)
