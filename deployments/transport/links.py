@@ -27,7 +27,7 @@ class HandleLink:
 
     def __init__(self, handle, key: str):
         self.key = key
-        self.handle = handle.options(multiplexed_model_id=key)
+        self.handle = handle.options(multiplexed_model_id=key, _by_reference=False)  # gRPC, not an actor task
 
     def send(self, call: bytes) -> "HandleReply":
         return HandleReply(self.handle.call.remote(call))
