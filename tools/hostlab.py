@@ -1,7 +1,7 @@
 """A host lab: N "hosts" on this machine, each a Linux network namespace with its own address and sshd.
 
-Only the network is a host's own: the hosts share this machine's filesystem, users and process table (a
-program that keeps state in a fixed path, such as Ray's /tmp/ray, needs a directory per host). They hang off
+A host has its own network and its own process table (its sshd is the first process of a PID namespace, so
+what a session starts sees only that host's processes); the hosts share this machine's filesystem and users. They hang off
 a private bridge with no uplink, on a subnet of 198.18.0.0/15 (RFC 2544's benchmarking range, routed
 nowhere): by default 198.18.0.0/24, this machine's end of the bridge .1, the hosts .11, .12, ... A host's
 only route is to its lab subnet, with no default route, so nothing it sends can leave the lab; and a lab
@@ -37,7 +37,7 @@ from pathlib import Path
 
 PREFIX = "spec-lab"
 SSHD = "/usr/sbin/sshd"  # sshd refuses to start unless invoked by its absolute path
-REQUIRED = ("ip", "tc", "ssh", "ssh-keygen", "ping", SSHD)
+REQUIRED = ("ip", "tc", "ssh", "ssh-keygen", "ping", "unshare", SSHD)
 IFNAMSIZ = 15  # Linux interface names: at most 15 characters, so link names are the short prefix + "-h<i>"
 # The lab's host keys are new each run, so they are not pinned; BatchMode: fail rather than prompt.
 SSH_OPTIONS = ("-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
@@ -303,9 +303,13 @@ class HostLab:
             old.wait(timeout=10)
         hdir = self.dir / host.name
         log = open(hdir / "sshd.log", "ab")
-        # -D: stay in the foreground (our child, so close() can reap it); -e: log to the lab's log file.
+        # -D: stay in the foreground (our child, so close() can reap it); -e: log to the lab's log file. sshd is
+        # the first process of a PID namespace of its own, so what a session starts sees only its host's
+        # processes: `ray stop` in a host's start commands must not stop the other hosts' Ray. --kill-child:
+        # when unshare dies, so does sshd, and with it everything in the namespace.
         self._sshd[host.name] = proc = subprocess.Popen(
-            ["ip", "netns", "exec", host.name, SSHD, "-D", "-e", "-f", str(hdir / "sshd_config")],
+            ["ip", "netns", "exec", host.name, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+             SSHD, "-D", "-e", "-f", str(hdir / "sshd_config")],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         deadline = time.monotonic() + wait_s

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,10 +140,63 @@ def test_kill_host_kills_everything_in_it_and_sshd_restarts(lab):
     assert pids  # its sshd
     lab.kill_host(c)
     assert subprocess.run(["ip", "netns", "pids", c.name], capture_output=True, text=True).stdout.split() == []
+    deadline = time.monotonic() + 5  # a killed process lingers as a zombie until its reaper (init) collects it
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert connect(c.address) == "refused"  # the host's kernel answers; nothing listens
     lab.restart_sshd(c)
     assert lab.ssh(c, "true").returncode == 0
+
+
+def test_a_host_sees_only_its_own_processes(lab):
+    """What a session starts on one host is invisible to another's, so a host's ``ray stop`` (which the shipped
+    start commands run first) stops that host's Ray only."""
+    a, b = lab.hosts[0], lab.hosts[1]
+    sleeper = lab.ssh(a, "nohup sleep 300 >/dev/null 2>&1 & echo $!")
+    assert sleeper.returncode == 0, sleeper.stderr
+    try:
+        assert "sleep 300" in lab.ssh(a, "ps -eo args").stdout
+        assert "sleep 300" not in lab.ssh(b, "ps -eo args").stdout
+        assert lab.ssh(b, "pkill -x sleep; true").returncode == 0  # -x: by name (-f would match this shell)
+        assert "sleep 300" in lab.ssh(a, "ps -eo args").stdout  # b could not reach it
+    finally:
+        lab.ssh(a, "pkill -x sleep; true")
+
+
+def test_two_hosts_form_one_ray_cluster_with_token_auth(lab, tmp_path):
+    """The first step of ``ray up`` into the lab by hand: a Ray head on one host and a worker on another join
+    over the lab network with token auth, the worker's role resource shows on the head, a client without the
+    token is refused, and ``ray stop`` on the worker leaves the head running."""
+    head, worker = lab.hosts[0], lab.hosts[1]
+    token = tmp_path / "ray_token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o600)
+    ray = str(Path(sys.executable).with_name("ray"))
+    env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token} RAY_USAGE_STATS_ENABLED=0;"
+    gcs = f"{head.address}:6379"
+    try:
+        started = lab.ssh(head, f"{env} {ray} start --head --node-ip-address={head.address} --port=6379 "
+                                "--include-dashboard=false --num-cpus=1 --disable-usage-stats", timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        joined = lab.ssh(worker, f"{env} {ray} start --address={gcs} --node-ip-address={worker.address} "
+                                 "--num-cpus=1 --resources='{\"specserve_draft\": 1}' --disable-usage-stats",
+                         timeout=120)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        status = lab.ssh(head, f"{env} {ray} status --address={gcs}", timeout=60)
+        assert status.returncode == 0 and "0.0/1.0 specserve_draft" in status.stdout, status.stdout + status.stderr
+        assert len(re.findall(r"^ 1 node_", status.stdout, re.M)) == 2, status.stdout
+        other = token.with_name("other_token")
+        other.write_text(os.urandom(32).hex())
+        refused = lab.ssh(worker, f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={other}; "
+                                  f"timeout 60 {ray} status --address={gcs}", timeout=90)
+        assert refused.returncode != 0 and "specserve_draft" not in refused.stdout
+        assert lab.ssh(worker, f"{ray} stop").returncode == 0
+        assert "raylet" not in lab.ssh(worker, "ps -eo comm").stdout
+        assert "raylet" in lab.ssh(head, "ps -eo comm").stdout
+    finally:
+        for host in (worker, head):
+            lab.ssh(host, f"{ray} stop --force", timeout=60)
 
 
 def test_close_leaves_nothing(make_lab):
