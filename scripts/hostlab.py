@@ -30,7 +30,10 @@ def up(args) -> int:
             while True:
                 signal.pause()
         except KeyboardInterrupt:
-            pass
+            # A second signal (Ctrl-C twice, or a wrapper such as `timeout` passing one on) must not cut the
+            # teardown short and leave namespaces behind.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
     print("torn down")
     return 0
 

@@ -19,12 +19,14 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
     >/dev/null 2>&1 || echo "[setup] prometheus not installed; tests/ray/test_prometheus.py will skip"
 fi
 
-# The host lab (tools/hostlab.py, tests/lab): sshd, ssh, ip/tc and ping from Debian, whichever are missing.
+# The host lab (tools/hostlab.py, tests/lab): sshd, ssh, ip/tc, ping and rsync (Ray's cluster launcher copies
+# files with it) from Debian, whichever are missing.
 lab_pkgs=()
 [ -x /usr/sbin/sshd ] || lab_pkgs+=(openssh-server)
 command -v ssh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1 || lab_pkgs+=(openssh-client)
 command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || lab_pkgs+=(iproute2)
 command -v ping >/dev/null 2>&1 || lab_pkgs+=(iputils-ping)
+command -v rsync >/dev/null 2>&1 || lab_pkgs+=(rsync)
 if [ ${#lab_pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "[setup] installing ${lab_pkgs[*]} (apt)"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${lab_pkgs[@]}"; } \
