@@ -183,9 +183,14 @@ def test_two_hosts_form_one_ray_cluster_with_token_auth(lab, tmp_path):
                                  "--num-cpus=1 --resources='{\"specserve_draft\": 1}' --disable-usage-stats",
                          timeout=120)
         assert joined.returncode == 0, joined.stdout + joined.stderr
-        status = lab.ssh(head, f"{env} {ray} status --address={gcs}", timeout=60)
-        assert status.returncode == 0 and "0.0/1.0 specserve_draft" in status.stdout, status.stdout + status.stderr
-        assert len(re.findall(r"^ 1 node_", status.stdout, re.M)) == 2, status.stdout
+        deadline = time.monotonic() + 90  # the autoscaler's status lists a new node at its next update
+        while True:
+            status = lab.ssh(head, f"{env} {ray} status --address={gcs}", timeout=60)
+            joined_both = len(re.findall(r"^ 1 node_", status.stdout, re.M)) == 2
+            if joined_both or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert joined_both and "0.0/1.0 specserve_draft" in status.stdout, status.stdout + status.stderr
         other = token.with_name("other_token")
         other.write_text(os.urandom(32).hex())
         refused = lab.ssh(worker, f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={other}; "
