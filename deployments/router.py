@@ -55,13 +55,11 @@ class Router:
         self.tokenizer = load_tokenizer(cfg.target.path) if has_tokenizer(cfg.target.path) else None
         self.metrics = RouterMetrics()
         self.stages = None
-        self.handle_routes: tuple = (None, None)  # the stages' Serve-handle routes (draft, verifier): liveness, debug
         if cfg.router.stages == "local":
             start_replica(cfg, LOCAL_ROUTER)
         else:
             self.stages = self._stage_client(draft_handle if settings.draft is not None else None, verifier_handle,
                                              "r", on_fallback=self.metrics.fallback, workers=bool(cfg.worker_stages))
-            self.handle_routes = self.stages.handle_routes
         eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else []
         # Two routers reach the same stage replicas while a redeploy rolls the app: distinct sequence ids.
@@ -86,6 +84,11 @@ class Router:
                                   on_result=self.metrics.fidelity)
         monitor.start()
         return monitor
+
+    @property
+    def handle_routes(self) -> tuple:
+        """The stages' Serve-handle routes (draft, verifier), for liveness and debugging; none with local stages."""
+        return (None, None) if self.stages is None else self.stages.handle_routes
 
     def _stage_client(self, draft_handle, verifier_handle, shard: str, *, on_fallback=None,
                       workers: bool = False) -> StageClient:

@@ -66,11 +66,17 @@ class StageClient:
         self.draft_timeout_s, self.verify_timeout_s = draft_timeout_s, verify_timeout_s
         self.on_fallback = on_fallback or (lambda reason, n: None)
         self.stops = [s for s in stops if s is not None]  # threads that serve this client: a prober, a directory
-        self.handle_routes: tuple = (None, None)
         self.timings = StageTimings()
         self.fallbacks = 0
         self.fallback_reasons: Counter = Counter()
         self.calls: Counter = Counter()  # stage calls by stage and link kind, e.g. "draft compiled"
+
+    @property
+    def handle_routes(self) -> tuple[HandleRoute | None, HandleRoute | None]:
+        """The (draft, verifier) Serve-handle routes, for health and debugging: a stage's own, or the one its
+        workers fall back to."""
+        return tuple(route.fallback if isinstance(route, WorkerRoute) else route
+                     for route in (self.draft, self.verifier))
 
     def close(self) -> None:
         for thread in self.stops:
@@ -211,7 +217,6 @@ def connect_stages(limits: wire.WireLimits, draft_handle, verifier_handle, *, dr
         directory = WorkerDirectory({"draft": routes[0], "verifier": routes[1]}, workers_of, DIRECTORY_INTERVAL_S)
     client = StageClient(limits, draft=routes[0], verifier=routes[1], draft_timeout_s=draft_timeout_s,
                          verify_timeout_s=verify_timeout_s, on_fallback=on_fallback, stops=(prober, directory))
-    client.handle_routes = (draft, verifier)
     if directory is not None:
         directory.start()
     return client
