@@ -21,3 +21,9 @@ TREE_TOP_K = 8  # children per expanded tree node, and nodes expanded per tree l
 DRAFT_NUM, DRAFT_NUM_MAX = 1, 8
 GOODPUT_GUARD = False
 MAX_TOKENS = 256
+# Structured outputs (issue 31): a grammar whose source exceeds this many bytes, or whose compilation takes
+# longer than this, is refused (HTTP 400), never a stalled batch; compiled grammars kept per tokenizer
+GRAMMAR_MAX_BYTES = 256 * 1024
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+GRAMMAR_CACHE_SIZE = 256
+FORCED_TOKENS = True  # a constrained row's forced runs are drafted by the grammar itself (q = 1)

@@ -25,6 +25,11 @@ draft is close to a one-token forward (the forward's fixed costs dominate), and 
 exactly the committed tokens after the step (tree_forward records nothing else as cached, so the next
 ``sync`` compares against what the KV columns really hold). Tree tokens are deterministic (one-hot q, no
 ``q_ids``), exact for greedy and sampled rows; a batch holding a branch row drafts chains.
+
+A constrained row (``ProposeItem.matcher``, structured outputs) draws from its q masked by its grammar,
+advanced through the row's own drafts (``draftpool.grammar_draft.DraftMasks``): the loop then reads each
+position's tokens back to advance the matchers, so it runs eagerly instead of as a captured graph, and a
+batch holding a constrained row drafts chains.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 
 from cluster import defaults as D
 from draftpool.draft_tree import TreeGrowth
+from draftpool.grammar_draft import DraftMasks
 from runtime import forward as fwd
 from runtime import rng
 from runtime.host_copy import fetch
@@ -90,7 +96,8 @@ class DraftModelProposer:
         params = [items[b].sampling for b in active]
         sampled = any(not s.greedy for s in params)
         branches = [items[b].branch for b in active]
-        nodes = 0 if any(branches) else (self.tree_budget(len(active), G, sampled) if self.tree_budget
+        matchers = [items[b].matcher for b in active]
+        nodes = 0 if any(branches) or any(m is not None for m in matchers) else (self.tree_budget(len(active), G, sampled) if self.tree_budget
                                          else self.tree_nodes)
         first = self.runner.forward([seq_ids[b] for b in active], [[]] * len(active), [1] * len(active))[:, 0]
         if nodes:
@@ -102,8 +109,9 @@ class DraftModelProposer:
         K = (self.q_top_k or self.vocab_size) if sampled else 0
         states = [self.runner.seqs[seq_ids[b]] for b in active]
         t_loop = time.perf_counter()
+        masks = DraftMasks(matchers, self.vocab_size) if any(m is not None for m in matchers) else None
         out = self._draft_loop(first, [s.slot for s in states], [len(s.tokens) for s in states],
-                               [gammas[b] for b in active], params, G, K, branches)
+                               [gammas[b] for b in active], params, G, K, branches, masks)
         tokens, lengths, fed, *q = fetch(*out)  # the step's one read back
         fed_list = fed.tolist()
         for state, row, n in zip(states, tokens.tolist(), fed_list):
@@ -117,6 +125,7 @@ class DraftModelProposer:
             batch.q_ids = torch.zeros((len(items), G, K), dtype=torch.long).index_copy_(0, index, q[0])
             batch.q_probs = torch.zeros((len(items), G, K), dtype=torch.float32).index_copy_(0, index, q[1])
         batch.draft_seconds = time.perf_counter() - t0
+        batch.mask_seconds = masks.seconds if masks is not None else 0.0
         return batch
 
     @staticmethod
@@ -180,9 +189,10 @@ class DraftModelProposer:
 
     def _draft_loop(self, first: torch.Tensor,  # [A, V] the draft's logits after each row's committed tokens
                     slots: list[int], positions: list[int], gammas: list[int], params, G: int, K: int,
-                    branches: list[int]
+                    branches: list[int], masks: DraftMasks | None = None
                     ) -> list[torch.Tensor]:  # tokens [A, G], lengths [A], fed [A] (+ q_ids, q_probs [A, G, K])
-        """Draft G positions for A rows on the device: fixed input buffers, one graph on CUDA."""
+        """Draft G positions for A rows on the device: fixed input buffers, one graph on CUDA (eager when
+        ``masks`` constrains rows: their matchers advance on the host between positions)."""
         runner = self.runner
         A = len(slots)
         Ab = batch_bucket(A) if runner.pad_batch else A
@@ -216,6 +226,8 @@ class DraftModelProposer:
             no_logit = torch.zeros((Ab, 1), dtype=torch.long, device=rows.device)
             tokens, q_ids, q_probs = [], [], []
             for i in range(G):
+                if masks is not None:
+                    logits = masks.apply(logits, alive)
                 if threshold and i > 0:
                     # An unsure draft token is likely rejected: the chain stops here.
                     alive = alive & (logits.float().softmax(-1).amax(-1) >= threshold)
@@ -225,6 +237,8 @@ class DraftModelProposer:
                     q_ids.append(torch.where(alive.unsqueeze(1), ids, 0))
                     q_probs.append(torch.where(alive.unsqueeze(1), ps, 0.0))
                 lengths = lengths + alive.long()
+                if masks is not None:
+                    alive = masks.advance(token, alive)
                 if i + 1 < G:
                     alive = alive & (i + 1 < gamma)
                     logits = fwd.forward(runner.model, runner.pool, runner.windows, rows, pos0 + i,
@@ -235,6 +249,11 @@ class DraftModelProposer:
                 out += [torch.stack(q_ids, 1)[:A], torch.stack(q_probs, 1)[:A]]
             return out
 
+        if masks is not None:
+            try:
+                return loop()
+            finally:
+                masks.rollback()
         return runner.graphs.run(key, loop)
 
     def _choose(self, logits: torch.Tensor,  # [Ab, V]

@@ -48,6 +48,8 @@ class EngineSettings:
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # measure speculative vs plain goodput; decode plainly where it does not pay
     goodput_guard: bool = D.GOODPUT_GUARD
+    # structured outputs: where the grammar forces a run of tokens, propose it without the draft (q = 1)
+    forced_tokens: bool = D.FORCED_TOKENS
 
 
 def make_proposer(settings: EngineSettings, draft_model=None, policy: GammaPolicy | None = None):
@@ -106,4 +108,4 @@ def make_engine(settings: EngineSettings, *, stages: Stages | None = None, targe
     return Engine(stages, policy=policy, eos_token_ids=eos_token_ids, max_len=settings.max_len,
                   max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
                   speculate=settings.draft is not None, goodput=goodput or make_goodput(settings),
-                  draft_num=settings.draft_num, first_seq_id=first_seq_id)
+                  draft_num=settings.draft_num, first_seq_id=first_seq_id, forced_tokens=settings.forced_tokens)

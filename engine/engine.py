@@ -17,6 +17,14 @@ merged into one token tree the verifier checks in one pass (``engine/candidates.
 
 An optional ``GoodputController`` (``engine/goodput.py``) is asked per micro-batch whether to speculate
 and fed each step's committed tokens and wall time; when it says plain, every row of that step gets γ = 0.
+
+Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher, advanced here on committed
+tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
+logits with the γ + 1 masks filled here from the proposal (``VerifyItem.mask``), so acceptance compares the
+masked p with the masked q and the law served is the target's masked one (docs/design.md, "Structured
+outputs"). Where the grammar forces a run of tokens, the engine proposes that run itself instead of the draft
+(``engine/forced.py``). A constrained sequence ends with "stop" once its grammar is accepting with no
+continuation.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
 from engine.candidates import Candidates
+from engine.forced import WithForced
 from engine.gamma import GammaPolicy, GammaState
 from engine.goodput import GoodputController, StepPlan
+from runtime.grammar import Grammar, Matcher, allow_all
 from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
                                VerifyItem, VerifyOutcome)
 from engine.stats import SpecStats
@@ -42,6 +52,7 @@ class Request:
     sampling: SamplingParams = GREEDY
     stop: tuple[str, ...] = ()  # stop strings; need the engine's ``detokenize``
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # structured output: the output is constrained to this grammar
 
 
 @dataclass
@@ -61,6 +72,7 @@ class Sequence:
     # Sampled with the caller's seed: drafts the configured γ, never a measured-cost one. The emitted
     # sample depends on the draft length, so a timing-driven γ would break "same seed, same sample".
     seeded: bool = False
+    matcher: Matcher | None = None  # the grammar's state at the committed tokens (constrained requests)
 
     @property
     def generated(self) -> list[int]:
@@ -147,7 +159,7 @@ class Engine:
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
                  max_failures: int = 3, goodput: GoodputController | None = None, draft_num: int = 1,
-                 first_seq_id: int = 0):
+                 first_seq_id: int = 0, forced_tokens: bool = True):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -161,6 +173,7 @@ class Engine:
         if draft_num < 1:
             raise ValueError(f"draft_num must be >= 1, got {draft_num}")
         self.draft_num = draft_num  # candidate chains per row and step, merged into a tree (engine.candidates)
+        self.forced_tokens = forced_tokens  # constrained rows: the grammar's forced runs are proposed as drafts
         self.running: dict[int, Sequence] = {}
         self.finished: dict[int, Sequence] = {}  # until collected with ``output``
         self.waiting: list[Sequence] = []
@@ -171,6 +184,7 @@ class Engine:
         self._pending: dict[int, tuple[Pending, list[int], StepPlan | None]] = {}  # micro-batch → in-flight proposal
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
         self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
+        self._mask_seconds = 0.0  # the last step's filling of the verifier's grammar masks
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -191,7 +205,10 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
             self._next_id += 1
-        self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt), seeded=seeded)))
+        # The matcher is made here, on the caller's thread, not on the step thread.
+        matcher = request.grammar.matcher() if request.grammar is not None else None
+        self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt), seeded=seeded,
+                                         matcher=matcher)))
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
@@ -228,14 +245,14 @@ class Engine:
         proposal: ProposalBatch = pending[0].result().select([s.seq_id for s in batch])
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
-        verify = self.stages.submit_verify(self._verify_items(batch), proposal, k)
+        verify = self.stages.submit_verify(self._verify_items(batch, proposal), proposal, k)
         following = sorted(groups)[self._turn % len(groups)]
         if following != k and following not in self._pending:
             self._pending[following] = self._submit_propose(following, groups[following])  # drafts meanwhile
         t0 = time.perf_counter()
         outcome: VerifyOutcome = verify.result()
         self.last_step_wait = waited + time.perf_counter() - t0
-        committed = self._commit(batch, proposal, outcome)
+        committed = self._commit(batch, proposal, outcome, pending[0])
         if not prefill:  # a prefill's time is not what a decode step costs
             self.policy.observe_step(len(batch), int(proposal.lengths.max()), time.perf_counter() - step_start)
         plan = pending[2]
@@ -250,15 +267,20 @@ class Engine:
     def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int], StepPlan | None]:
         plan = self.goodput.choose(len(batch)) if self.goodput is not None and self.speculate else None
         chosen = 0 if plan is not None and not plan.speculate else self._gamma(batch)
-        items = []
+        items, forced = [], {}
         for seq in batch:
             gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else chosen)
+            run = self._forced(seq)
+            if run:
+                forced[seq.seq_id], gamma = run, 0  # the grammar drafts this row; the proposer only syncs
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
-                                     gamma, seq.request.sampling))
+                                     gamma, seq.request.sampling, matcher=seq.matcher))
             seq.proposer_base = len(seq.tokens)
         ids = [seq.seq_id for seq in batch]
-        if self.draft_num == 1 or not any(it.gamma for it in items):
-            return self.stages.submit_propose(items, shard), ids, plan
+        # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
+        if self.draft_num == 1 or not any(it.gamma for it in items) or any(it.matcher for it in items):
+            pending = self.stages.submit_propose(items, shard)
+            return (WithForced(pending, forced) if forced else pending), ids, plan
         branches = [self.stages.submit_propose([replace(it, branch=b) for it in items], shard)
                     for b in range(self.draft_num)]
         return Candidates(branches), ids, plan
@@ -278,15 +300,36 @@ class Engine:
         room = self.max_len - len(seq.tokens) - 1
         return max(0, min(gamma, remaining - 1, room))
 
-    def _verify_items(self, batch: list[Sequence]) -> list[VerifyItem]:
-        return [VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])), s.request.sampling)
-                for s in batch]
+    def _forced(self, seq: Sequence) -> list[int]:
+        """The run of tokens the grammar forces next, as far as the row may draft (none when not speculating:
+        plain decoding stays target-only)."""
+        if seq.matcher is None or not self.speculate or not self.forced_tokens:
+            return []
+        return seq.matcher.forced_tokens()[: self._room(seq, self.policy.gamma_max)]
 
-    def _commit(self, batch: list[Sequence], proposal: ProposalBatch, outcome: VerifyOutcome) -> list[StepEvent]:
+    def _verify_items(self, batch: list[Sequence], proposal: ProposalBatch) -> list[VerifyItem]:
+        row = {s: b for b, s in enumerate(proposal.seq_ids)}
+        items = []
+        t0 = time.perf_counter()
+        for s in batch:
+            mask = None
+            if s.matcher is not None:
+                drafts = proposal.row_tokens(row[s.seq_id]) if s.seq_id in row else []
+                mask = allow_all(len(drafts) + 1, s.request.grammar.vocab_size)
+                s.matcher.fill_mask(mask, drafts)
+            items.append(VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])),
+                                    s.request.sampling, mask))
+        self._mask_seconds = time.perf_counter() - t0
+        return items
+
+    def _commit(self, batch: list[Sequence], proposal: ProposalBatch, outcome: VerifyOutcome,
+                pending: Pending) -> list[StepEvent]:
         for seq_id in proposal.resync:
             if seq_id in self.running:
                 self.running[seq_id].proposer_base = 0  # the proposer lost it: resend the whole history
-        step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds)
+        step_stats = SpecStats(draft_seconds=proposal.draft_seconds, verify_seconds=outcome.verify_seconds,
+                               mask_seconds=proposal.mask_seconds + self._mask_seconds)
+        forced = pending.forced if isinstance(pending, WithForced) else {}
         nodes = dict(zip(proposal.seq_ids, proposal.lengths.tolist()))  # drafts verified: a tree's size
         events, done = [], []
         for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,
@@ -308,10 +351,16 @@ class Engine:
                 continue
             seq.failures = 0
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
-            self.policy.observe(seq.gamma_state, proposed, accepted, nodes.get(seq_id, 0))
             new = self._append(seq, emitted)
-            for st in (seq.stats, step_stats):
-                st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))
+            if seq_id in forced:
+                # Forced tokens are not the draft's: they count apart and teach the γ policy nothing about α.
+                for st in (seq.stats, step_stats):
+                    st.record(0, 0, len(new), nodes=0)
+                    st.forced += accepted
+            else:
+                self.policy.observe(seq.gamma_state, proposed, accepted, nodes.get(seq_id, 0))
+                for st in (seq.stats, step_stats):
+                    st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))
             events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
             if seq.finish_reason is not None:
                 done.append(seq)
@@ -320,16 +369,23 @@ class Engine:
         for seq in batch:
             seq.stats.draft_seconds += proposal.draft_seconds / seq_share
             seq.stats.verify_seconds += outcome.verify_seconds / seq_share
+            if seq.matcher is not None:
+                seq.stats.mask_seconds += step_stats.mask_seconds / seq_share
         self.stats.merge(step_stats)
         return events
 
     def _append(self, seq: Sequence, emitted: list[int]) -> list[int]:
-        """Commit emitted tokens one by one, stopping at EOS, max_tokens, a stop string or the context end."""
+        """Commit emitted tokens one by one, stopping at EOS, a finished grammar, max_tokens, a stop string or
+        the context end."""
         new = []
         for token in emitted:
             seq.tokens.append(token)
             new.append(token)
-            if token in self.eos and not seq.request.ignore_eos:
+            eos = token in self.eos and not seq.request.ignore_eos
+            if seq.matcher is not None and not eos and not seq.matcher.consume([token]):
+                # The masks allow only what the matcher accepts, so this is a bug, not the caller's error.
+                seq.finish_reason = "error"
+            elif eos or (seq.matcher is not None and seq.matcher.is_stopped):
                 seq.finish_reason = "stop"
             elif len(seq.generated) >= seq.request.max_tokens or len(seq.tokens) >= self.max_len:
                 seq.finish_reason = "length"

@@ -25,6 +25,10 @@ class SpecStats:
     nodes: int = 0  # draft tokens verified: a chain's drafts, a tree's nodes
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # Structured outputs: tokens the grammar forced (proposed by the engine, not the draft; not in proposed /
+    # accepted) and seconds spent filling grammar masks
+    forced: int = 0
+    mask_seconds: float = 0.0
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -45,7 +49,7 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("steps", "proposed", "accepted", "rejections", "emitted", "nodes", "draft_seconds",
-                     "verify_seconds"):
+                     "verify_seconds", "forced", "mask_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.position_proposed), len(other.position_proposed))
         for lst in (self.position_proposed, self.position_accepted):
@@ -81,6 +85,11 @@ class SpecStats:
         """Mean accepted path depth per step (accepted draft tokens)."""
         return self.accepted / self.steps if self.steps else 0.0
 
+    @property
+    def forced_share(self) -> float:
+        """Share of the emitted tokens the grammar forced."""
+        return self.forced / self.emitted if self.emitted else 0.0
+
     def per_position(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
 
@@ -92,4 +101,6 @@ class SpecStats:
                 "mean_nodes": round(self.mean_nodes, 3), "accepted_depth": round(self.accepted_depth, 4),
                 "per_position_acceptance":
                     [round(x, 4) for x in self.per_position()],
-                "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6)}
+                "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6),
+                "forced": self.forced, "forced_share": round(self.forced_share, 4),
+                "mask_seconds": round(self.mask_seconds, 6)}

@@ -18,6 +18,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from runtime.grammar import Matcher
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -55,6 +57,10 @@ class ProposeItem:
     # the draft's (b+1)-th most likely first token (greedy), a draw from a stream keyed by the branch
     # (sampled), the n-gram proposer's b-th distinct continuation. Branch rows are verified with one-hot q.
     branch: int = 0
+    # A constrained row's grammar state at its committed tokens (in-process stages only: ``runtime.wire``
+    # carries no matcher). The draft samples from its q masked by it, advanced through its own proposed
+    # tokens and rolled back before the proposal returns; a batch with a constrained row drafts chains.
+    matcher: Matcher | None = None
 
 
 @dataclass
@@ -81,6 +87,7 @@ class ProposalBatch:
     parents: torch.Tensor | None = None  # [B, G] int64, -1 beyond lengths
     resync: list[int] = field(default_factory=list)  # seq_ids the proposer could not sync
     draft_seconds: float = 0.0  # time spent in draft forwards for this batch
+    mask_seconds: float = 0.0  # of which filling grammar masks (constrained rows)
 
     @staticmethod
     def empty(seq_ids: Sequence[int], resync: Sequence[int] = ()) -> "ProposalBatch":
@@ -116,6 +123,7 @@ class ProposalBatch:
             parents=None if self.parents is None else self.parents[rows],
             resync=[s for s in self.resync if s in keep],
             draft_seconds=self.draft_seconds,
+            mask_seconds=self.mask_seconds,
         )
 
 
@@ -123,6 +131,9 @@ class ProposalBatch:
 class VerifyItem:
     sync: SyncItem
     sampling: SamplingParams = GREEDY
+    # A constrained row's allowed tokens before its first draft and after each ([drafts + 1, W] int32, packed
+    # as in ``runtime.grammar``; in-process stages only): applied to the target's logits before the warp.
+    mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -24,6 +24,10 @@ accepted, emit the *bonus* token ~ p_γ. The emitted tokens are then distributed
 sampled autoregressively. Greedy rows use one-hot p and q, so the rule is "accept while d_i equals the
 target argmax" and the recovered/bonus token is the argmax — token-identical to greedy decoding.
 
+Structured outputs (issue 31) use the same rule: the verifier masks the target's logits by the row's grammar
+and the draft draws from its own masked q, so p and q here are both the masked distributions, and the rule
+preserves the masked target law exactly (docs/design.md, "Structured outputs").
+
 Threshold mode is a lossy rule: accept d_i when p_i(d_i) ≥ threshold. It changes the output distribution
 and exists only behind an explicit config opt-in.
 

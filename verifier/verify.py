@@ -13,6 +13,10 @@ accepted path plus one token, and ``ModelRunner.commit_paths`` moves the path's 
 have written them. The outcome is the same as a chain's: the emitted tokens, with the tree's depth as the
 positions proposed. Trees carry no draft q (one-hot q: the draft model's top-k trees, merged branch chains);
 a tree with q is refused before any sync or forward.
+
+Constrained rows (structured outputs, issue 31) come with their grammar's masks (``VerifyItem.mask``): the
+target's logits are masked before anything else reads them — the argmax of greedy rows, the warp of sampled
+ones — so both acceptance paths compare the masked p with the draft's masked q. Unconstrained rows pay nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Sequence
 import torch
 
 from runtime import rng
+from runtime.grammar import allow_all, apply_mask
 from runtime.host_copy import fetch, to_device
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from runtime.runner import ModelRunner
@@ -67,7 +72,7 @@ class VerifyStage:
 
     def verify(self, items: Sequence[VerifyItem], proposal: ProposalBatch) -> VerifyOutcome:
         t0 = time.perf_counter()
-        self._check_tree(proposal)
+        self._check_tree(proposal, items)
         prop_row = {s: b for b, s in enumerate(proposal.seq_ids)}
         resync = [it.sync.seq_id for it in items if not self.runner.sync(it.sync)]
         live = [it for it in items if it.sync.seq_id not in resync]
@@ -91,8 +96,8 @@ class VerifyStage:
             self.runner.commit_paths(ids, [p[:n] for p, n in zip(path, accepted)])
             proposed = [max(depths(t), default=-1) + 1 for t in trees]
         else:
-            logits = self.runner.forward(ids, drafts, [len(d) + 1 for d in drafts])
-            output, accepted, _ = self._accept(live, drafts, None, prop_rows, proposal, logits[:, : G + 1])
+            logits = self._masked(live, self.runner.forward(ids, drafts, [len(d) + 1 for d in drafts])[:, : G + 1])
+            output, accepted, _ = self._accept(live, drafts, None, prop_rows, proposal, logits)
             # The step's one read back: emitted tokens and counts, O(B·γ) integers.
             output, accepted = fetch(output, accepted)
             output, accepted = output.tolist(), accepted.tolist()
@@ -113,11 +118,29 @@ class VerifyStage:
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
 
-    def _check_tree(self, proposal: ProposalBatch) -> None:
+    @staticmethod
+    def _masked(live: Sequence[VerifyItem], logits: torch.Tensor,  # [B, G+1, V] on the runner's device
+                ) -> torch.Tensor:  # [B, G+1, V], constrained rows' disallowed tokens at -inf
+        """The grammar masks applied to the constrained rows only (positions past a row's drafts stay unmasked:
+        nothing reads them)."""
+        rows = [b for b, it in enumerate(live) if it.mask is not None]
+        if not rows:
+            return logits
+        B, T, V = logits.shape
+        masks = allow_all(len(rows) * T, V).view(len(rows), T, -1)
+        for j, b in enumerate(rows):
+            n = min(T, live[b].mask.shape[0])
+            masks[j, :n] = live[b].mask[:n]
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return logits.index_copy(0, index, apply_mask(logits[index], to_device(masks, logits.device)))
+
+    def _check_tree(self, proposal: ProposalBatch, items: Sequence[VerifyItem]) -> None:
         """Refuse a tree this stage cannot verify exactly, before anything runs: a refused proposal costs no
         forward and leaves every cache as it was."""
         if proposal.parents is None:
             return
+        if any(it.mask is not None for it in items):
+            raise ValueError("a token-tree proposal cannot carry constrained rows: grammar masks follow chains")
         if proposal.q_ids is not None:
             raise ValueError("a token-tree proposal must carry no draft q (q_ids/q_probs None): trees are verified "
                              "with one-hot q, which is exact for any proposal drawn independently of the verifier")

@@ -1,0 +1,97 @@
+"""Structured outputs through the engine, greedy: token-identical to target-only constrained greedy decoding
+(``grammar_fixtures.masked_greedy``) for every γ, proposer, batch mix and with or without forced tokens; the
+grammar's forced runs count apart from model drafts; a finished grammar ends the request with "stop"."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from engine.engine import Request
+from engine.grammar import GrammarSpec
+from runtime.protocol import SamplingParams
+from tests.fixtures_tokenizer import _loaded, reference, tiny_pair, tokenizer
+from tests.unit.grammar_fixtures import PERSON, compiler, masked_greedy
+from tests.unit.helpers import make_engine
+
+MAX_NEW = 40
+PROMPTS = ["Please convert the following record to JSON:", "The quick brown fox", "def add(a, b):"]
+GRAMMARS = {"person": GrammarSpec("json_schema", PERSON), "date": GrammarSpec("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+            "choice": GrammarSpec("choice", ["yes", "no", "maybe later"])}
+
+
+@functools.lru_cache(maxsize=None)
+def models():
+    pair = tiny_pair()
+    return _loaded(pair.target)[0], _loaded(pair.draft)[0]
+
+
+def ids(text: str) -> tuple[int, ...]:
+    return tuple(tokenizer()(text)["input_ids"])
+
+
+@functools.lru_cache(maxsize=None)
+def expected(prompt: str, grammar: str | None) -> tuple[int, ...]:
+    if grammar is None:
+        return reference(prompt, MAX_NEW)[0]
+    return masked_greedy(models()[0], ids(prompt), compiler().compile(GRAMMARS[grammar]), MAX_NEW)
+
+
+# A batch mix: constrained rows of each kind beside an unconstrained one.
+MIX = [(PROMPTS[0], "person"), (PROMPTS[1], "person"), (PROMPTS[2], "date"), (PROMPTS[1], "choice"), (PROMPTS[0], None)]
+
+
+def requests(mix, sampling=None):
+    return [Request(ids(p), max_tokens=MAX_NEW, grammar=compiler().compile(GRAMMARS[g]) if g else None,
+                    sampling=sampling or SamplingParams()) for p, g in mix]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+@pytest.mark.parametrize("forced", [True, False], ids=["forced", "no-forced"])
+def test_constrained_speculative_greedy_is_target_only_constrained_greedy(gamma, draft, forced):
+    target, draft_model = models()
+    engine = make_engine(target, draft_model if draft == "model" else "ngram", gamma=gamma, max_len=256,
+                         forced_tokens=forced)
+    outs = engine.generate(requests(MIX))
+    for (prompt, grammar), out in zip(MIX, outs):
+        assert out.tokens == expected(prompt, grammar), (prompt, grammar)
+    assert (engine.stats.forced > 0) == forced
+    if draft == "model":
+        assert engine.stats.accepted > 0, "the draft model's own drafts must be verified too"
+
+
+def test_plain_micro_batched_adaptive_and_sampled_neighbours():
+    """Target-only constrained decoding, two micro-batches with the adaptive γ, and greedy constrained rows
+    beside sampled constrained rows: the greedy rows are the reference's tokens in every case."""
+    target, draft_model = models()
+    for kw in ({"speculate": False}, {"micro_batches": 2, "adaptive": True}):
+        outs = make_engine(target, draft_model, gamma=4, max_len=256, **kw).generate(requests(MIX))
+        assert [o.tokens for o in outs] == [expected(p, g) for p, g in MIX], kw
+    engine = make_engine(target, draft_model, gamma=4, max_len=256)
+    sampled = requests(MIX[:3], SamplingParams(temperature=0.8, top_k=20, seed=5))
+    outs = engine.generate(requests(MIX) + sampled)
+    assert [o.tokens for o in outs[: len(MIX)]] == [expected(p, g) for p, g in MIX]
+
+
+def test_forced_runs_are_free_drafts_counted_apart():
+    target, draft_model = models()
+    engine = make_engine(target, draft_model, gamma=4, max_len=256)
+    out = engine.generate(requests(MIX[:1]))[0]
+    text = tokenizer().decode(list(out.tokens))
+    assert text.startswith('{"name": "') and out.finish_reason == "stop"
+    # {"name": " … ", "age": … ", "tags": […]}: the keys, quotes and separators are the grammar's own tokens.
+    assert out.stats.forced >= 5 and out.stats.emitted == len(out.tokens) and 0 < out.stats.forced_share < 1
+    # Forced tokens are neither proposed nor accepted drafts: the draft's acceptance figures exclude them.
+    assert out.stats.forced + out.stats.accepted + out.stats.steps >= len(out.tokens) > out.stats.accepted
+
+
+def test_a_finished_grammar_stops_and_max_tokens_stays_length():
+    target, draft_model = models()
+    engine = make_engine(target, draft_model, gamma=4, max_len=256)
+    choice = compiler().compile(GRAMMARS["choice"])
+    done, cut = engine.generate([Request(ids(PROMPTS[1]), max_tokens=MAX_NEW, grammar=choice),
+                                 Request(ids(PROMPTS[0]), max_tokens=3, grammar=compiler().compile(GRAMMARS["person"]))])
+    assert done.finish_reason == "stop" and tokenizer().decode(list(done.tokens)) in GRAMMARS["choice"].value
+    assert cut.finish_reason == "length" and len(cut.tokens) == 3
