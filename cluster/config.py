@@ -212,6 +212,12 @@ class SpeculationSpec(_Spec):
         "gain on short runs (scripts/bench_scenarios.py reports both); meant for long-running, "
         "high-batch services.",
     )
+    forced_tokens: bool = Field(
+        D.FORCED_TOKENS,
+        description="Structured outputs: where a request's grammar allows exactly one continuation for a run of "
+        "tokens (braces, quotes, a schema's key names), propose that run as the row's drafts without the draft "
+        "model (q = 1, accepted whole in one target pass). Exact either way; off only to measure what it gains.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculationSpec":
@@ -552,6 +558,21 @@ class DefaultsSpec(_Spec):
     max_tokens: int = Field(D.MAX_TOKENS, ge=1, description="Tokens generated for requests that set no max_tokens.")
 
 
+class StructuredSpec(_Spec):
+    max_grammar_bytes: int = Field(
+        D.GRAMMAR_MAX_BYTES, ge=1, description="Largest compiled grammar source (a JSON schema, regex, choice list "
+        "or Lark grammar, as llguidance compiles it) a request may ask for; larger is a 400."
+    )
+    compile_timeout_s: float = Field(
+        D.GRAMMAR_COMPILE_TIMEOUT_S, gt=0, description="A grammar whose compilation takes longer fails its "
+        "request with a 400 (compilation runs off the step loop, so other requests keep decoding meanwhile)."
+    )
+    cache_size: int = Field(
+        D.GRAMMAR_CACHE_SIZE, ge=1, description="Compiled grammars kept per router replica (by a hash of grammar "
+        "and tokenizer); requests that repeat a schema skip its compilation."
+    )
+
+
 class ClusterBudget(_Spec):
     total_gpus: float = Field(
         ge=0, description="GPUs in the whole cluster, every node and type; Ray reservations must fit."
@@ -575,6 +596,10 @@ class ClusterConfig(_Spec):
     http: HttpSpec = Field(default_factory=HttpSpec, description="The OpenAI-compatible HTTP ingress.")
     ray: RaySpec = Field(default_factory=RaySpec, description="How Ray itself is started or joined.")
     defaults: DefaultsSpec = Field(default_factory=DefaultsSpec, description="Sampling defaults for requests.")
+    structured: StructuredSpec = Field(
+        default_factory=StructuredSpec, description="Structured outputs (response_format, structured_outputs): "
+        "limits on the grammars requests may ask for."
+    )
     cluster: ClusterBudget | None = Field(None, description="The cluster's GPUs, to check reservations fit (optional).")
 
     SEEDS_KEY: ClassVar[str] = "speculative_decoding"

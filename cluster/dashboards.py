@@ -200,6 +200,17 @@ def speculation() -> Board:
               description="Sampled greedy requests re-decoded without speculation (router.fidelity_sample_rate)."),
         Panel("Fidelity: first difference", (_t(quantile(0.5, m.FIDELITY_FIRST_DIFFERENCE), "median position"),),
               "short", width=12),
+        Panel("Structured requests / s", (_t(or_zero(rate(m.STRUCTURED_REQUESTS, by="kind, outcome")),
+                                             "{{kind}} {{outcome}}"),), "reqps",
+              description="Requests with response_format / structured_outputs, by grammar kind and whether the "
+                          "grammar was compiled, found in the cache or refused (400)."),
+        Panel("Grammar compile time", tuple(_t(quantile(q, m.GRAMMAR_COMPILE_SECONDS), f"p{int(q * 100)}")
+                                            for q in (0.5, 0.99)), "s"),
+        Panel("Structured: mask work and forced tokens", (
+            _t(ratio(rate(m.MASK_SECONDS), rate(m.STEP_SECONDS)), "mask share of step time"),
+            _t(ratio(rate(m.FORCED_TOKENS), rate(m.EMITTED_TOKENS)), "forced-token share of emitted")),
+              "percentunit", description="Grammar masks' share of step time (draft and verify), and the share of "
+                                         "tokens a grammar forced (drafted free, accepted in the same pass)."),
     ))
 
 

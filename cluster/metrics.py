@@ -50,6 +50,10 @@ GPU_MEMORY_TOTAL = "specserve_gpu_memory_total_bytes"
 GPU_SM_CLOCK = "specserve_gpu_sm_clock_hertz"
 FIDELITY_CHECKS = "specserve_fidelity_checks"
 FIDELITY_FIRST_DIFFERENCE = "specserve_fidelity_first_difference_position"
+STRUCTURED_REQUESTS = "specserve_structured_requests"
+GRAMMAR_COMPILE_SECONDS = "specserve_grammar_compile_seconds"
+MASK_SECONDS = "specserve_mask_seconds"
+FORCED_TOKENS = "specserve_forced_tokens"
 
 # Allowed tag values.
 STAGES = ("draft", "verify", "transport", "schedule")
@@ -65,6 +69,10 @@ STEP_MODES = ("speculative", "plain")
 BATCH_BUCKETS = tuple(str(1 << i) for i in range(17))  # 1 … 65536 (config.MAX_BATCH_CAP)
 COMPUTE_STAGES = ("draft", "verify")
 FIDELITY_RESULTS = ("match", "mismatch")
+# Structured outputs: the grammar kinds a request can ask for (engine.grammar.KINDS), and what admission did
+# with its grammar: compiled it, found it in the cache, or refused it (a 400).
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+GRAMMAR_OUTCOMES = ("compiled", "cache_hit", "error")
 
 # Seconds. A verify step of a 6–8B target on an H200 is ~3 ms and a compiled-graph hop ~0.1 ms, so
 # the buckets are dense between 50 µs and 50 ms and coarse up to the slowest CPU steps.
@@ -82,6 +90,8 @@ REQUEST_LATENCY_BOUNDARIES = (
 INTER_TOKEN_BOUNDARIES = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
+# Seconds to compile one grammar: a regex or a small schema takes milliseconds, the limit is seconds.
+COMPILE_BOUNDARIES = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Generated-token index of the first difference; position 0 falls in the first bucket (le 1).
 FIRST_DIFFERENCE_BOUNDARIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -252,6 +262,32 @@ METRICS: dict[str, MetricSpec] = {
             "histogram",
             "Generated-token index of the first difference of a fidelity mismatch.",
             boundaries=FIRST_DIFFERENCE_BOUNDARIES,
+        ),
+        MetricSpec(
+            STRUCTURED_REQUESTS,
+            "counter",
+            "Requests with structured outputs (response_format / structured_outputs), by grammar kind and what "
+            "admission did with the grammar: compiled, served from the compiled-grammar cache, or refused (400).",
+            tag_keys=("kind", "outcome"),
+        ),
+        MetricSpec(
+            GRAMMAR_COMPILE_SECONDS,
+            "histogram",
+            "Seconds to compile one grammar (cache misses only), by kind.",
+            tag_keys=("kind",),
+            boundaries=COMPILE_BOUNDARIES,
+        ),
+        MetricSpec(
+            MASK_SECONDS,
+            "counter",
+            f"Seconds the router's steps spent filling and applying grammar masks (draft and verify); over "
+            f"{STEP_SECONDS} it is the mask work's share of step time.",
+        ),
+        MetricSpec(
+            FORCED_TOKENS,
+            "counter",
+            f"Tokens a grammar forced, proposed without the draft model and verified in the same pass; over "
+            f"{EMITTED_TOKENS} it is the forced-token share. Not counted in {DRAFT_TOKENS} or {ACCEPTED_TOKENS}.",
         ),
     )
 }

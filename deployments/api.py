@@ -84,6 +84,22 @@ class Message(TypedDict):
     name: NotRequired[str]
 
 
+MAX_CHOICES = 1024
+
+
+@with_config(ConfigDict(extra="forbid", strict=True))
+class StructuredOutputs(TypedDict, total=False):
+    """What the output must match (structured outputs, issue 31; vLLM's names): exactly one key. ``json``: a
+    JSON schema (an object, or a string holding one); ``json_object``: true for any JSON object; ``regex``;
+    ``choice``: one of these strings; ``grammar``: a Lark grammar as llguidance reads it."""
+
+    json: dict | StrictStr
+    json_object: Literal[True]
+    regex: StrictStr
+    choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+    grammar: StrictStr
+
+
 def _range(kind, lo, hi):
     what = "an integer" if kind is StrictInt else "a number"
     return Annotated[kind, Field(ge=lo, le=hi), says(f"must be {what} in [{lo}, {hi}], got {{got}}")] | None
@@ -104,6 +120,23 @@ class GenerateRequest:
                     says(f"must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
                          f"{MAX_STOP_LENGTH} characters")] = field(default_factory=list)
     ignore_eos: StrictBool = False
+    structured_outputs: StructuredOutputs | None = None
+
+    def grammar_spec(self) -> tuple[str, object] | None:
+        """(kind, value) of ``structured_outputs`` as ``engine.grammar.GrammarSpec`` takes them; call after
+        ``validate``."""
+        if self.structured_outputs is None:
+            return None
+        (key, value), = self.structured_outputs.items()
+        if key == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidRequest(f"structured_outputs.json is not valid JSON: {exc}",
+                                         "structured_outputs") from None
+            return "json_schema", value
+        return key, None if key == "json_object" else value
 
     def validate(self, *, vocab_size: int, has_tokenizer: bool) -> None:
         """The field annotations (types, ranges, message shapes), then what depends on the deployment."""
@@ -123,6 +156,9 @@ class GenerateRequest:
         if not has_tokenizer and self.messages is not None:
             raise InvalidRequest("this deployment has no tokenizer, so no chat template: send prompt_token_ids",
                                  "messages")
+        if self.structured_outputs is not None and len(self.structured_outputs) != 1:
+            raise InvalidRequest("structured_outputs must have exactly one of json, json_object, regex, choice, "
+                                 f"grammar; got {sorted(self.structured_outputs) or 'none'}", "structured_outputs")
 
 
 _FIELDS = TypeAdapter(GenerateRequest)

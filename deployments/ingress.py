@@ -57,7 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, ValidationInfo, field_validator)
+                      ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -65,8 +65,8 @@ from starlette.requests import ClientDisconnect
 
 from cluster.config import ClusterConfig
 from deployments.api import (GenerateChunk, GenerateRequest, GenerateResponse, GenerationFailed, InvalidRequest,
-                             Overloaded, PREDICATE, RequestTimedOut, Role, SENTENCE, StageUnavailable, field_path,
-                             invalid, says, show)
+                             Overloaded, PREDICATE, RequestTimedOut, Role, SENTENCE, StageUnavailable,
+                             StructuredOutputs, field_path, invalid, says, show)
 
 log = logging.getLogger("specserve.ingress")
 
@@ -368,8 +368,33 @@ class ChatMessage(_Strict):
         return value
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    schema_: Annotated[dict, Field(alias="schema")] = Field(default_factory=dict)  # {}: any JSON value
+    description: StrictStr | None = None
+    strict: StrictBool | None = None  # the grammar is enforced either way
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """OpenAI's response_format: text (unconstrained), json_object, or json_schema (structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(SENTENCE, 'response_format needs "json_schema" exactly when its type is '
+                                                '"json_schema"')
+        return self
+
+    def structured_outputs(self) -> dict | None:
+        """The handle API's ``structured_outputs`` this format asks for (None: text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
 
 
 class _OpenAIRequest(_Strict):
@@ -392,6 +417,8 @@ class _OpenAIRequest(_Strict):
     user: StrictStr | None = None
     ignore_eos: StrictBool | None = None
     return_token_ids: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # the extension (vLLM's name); see deployments.api
 
     @field_validator("stream_options")
     @classmethod
@@ -413,8 +440,6 @@ class ChatRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: JsonInt | None = None
     top_logprobs: _off(_exactly(0)) = None
-    response_format: Annotated[ResponseFormat | None,
-                               says('only response_format {"type": "text"} is supported', SENTENCE)] = None
     tools: _off(Annotated[list, Field(max_length=0)]) = None
     tool_choice: _off(Literal["none"]) = None
     parallel_tool_calls: StrictBool | None = None
@@ -434,8 +459,10 @@ CHAT_FIELDS = frozenset(ChatRequest.model_fields)
 
 def normalise(req: CompletionRequest | ChatRequest) -> GenerateRequest:
     """A validated OpenAI request → what the router gets."""
+    structured = req.response_format.structured_outputs() if req.response_format is not None else None
     common = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                  stop=req.stop or [], ignore_eos=bool(req.ignore_eos))
+                  stop=req.stop or [], ignore_eos=bool(req.ignore_eos),
+                  structured_outputs=structured or req.structured_outputs)
     if isinstance(req, ChatRequest):
         messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
                     for m in req.messages]
@@ -635,6 +662,10 @@ class OpenAIIngress:
         if req.model is not None and req.model != self.model_name:
             raise self._unknown_model(req.model)
         renames = {"max_tokens": "max_completion_tokens"} if chat and req.max_completion_tokens is not None else {}
+        if req.response_format is not None and req.response_format.type != "text":
+            if req.structured_outputs is not None:
+                raise _bad("send response_format or structured_outputs, not both", "structured_outputs")
+            renames["structured_outputs"] = "response_format"  # the router's name for what came from here
         opts = {"stream": bool(req.stream), "renames": renames, "token_ids": bool(req.return_token_ids),
                 "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
         return normalise(req), opts

@@ -98,7 +98,9 @@ class RouterMetrics:
                         names.REQUESTS_CANCELLED, names.RUNNING_SEQUENCES, names.QUEUE_DEPTH,
                         names.ACCEPTANCE_RATE, names.REJECTIONS, names.STAGE_SECONDS, names.STEPS,
                         names.STEP_SECONDS, names.STEP_TOKENS, names.TTFT, names.INTER_TOKEN_LATENCY,
-                        names.REQUEST_LATENCY, names.FIDELITY_CHECKS, names.FIDELITY_FIRST_DIFFERENCE)
+                        names.REQUEST_LATENCY, names.FIDELITY_CHECKS, names.FIDELITY_FIRST_DIFFERENCE,
+                        names.STRUCTURED_REQUESTS, names.GRAMMAR_COMPILE_SECONDS, names.MASK_SECONDS,
+                        names.FORCED_TOKENS)
         self.seen = SpecStats()
         watch_gpus()
 
@@ -110,7 +112,9 @@ class RouterMetrics:
                                   (names.DRAFT_NODES, totals.nodes, seen.nodes),
                                   (names.ACCEPTED_TOKENS, totals.accepted, seen.accepted),
                                   (names.EMITTED_TOKENS, totals.emitted, seen.emitted),
-                                  (names.REJECTIONS, totals.rejections, seen.rejections)):
+                                  (names.REJECTIONS, totals.rejections, seen.rejections),
+                                  (names.FORCED_TOKENS, totals.forced, seen.forced),
+                                  (names.MASK_SECONDS, totals.mask_seconds, seen.mask_seconds)):
             if now > before:
                 m[name].inc(now - before)
         for stage, now, before in (("draft", totals.draft_seconds, seen.draft_seconds),
@@ -143,6 +147,12 @@ class RouterMetrics:
         hist.observe(max(0.0, step_wall - waited), tags={"stage": "schedule"})
         GAUGES.set(m[names.RUNNING_SEQUENCES], running)
         GAUGES.set(m[names.QUEUE_DEPTH], queued)
+
+    def grammar(self, kind: str, outcome: str, compile_seconds: float | None = None) -> None:
+        """A structured-output request's grammar at admission (``names.GRAMMAR_OUTCOMES``)."""
+        self.m[names.STRUCTURED_REQUESTS].inc(1, tags={"kind": kind, "outcome": outcome})
+        if compile_seconds is not None:
+            self.m[names.GRAMMAR_COMPILE_SECONDS].observe(compile_seconds, tags={"kind": kind})
 
     def fallback(self, reason: str, n: int) -> None:
         self.m[names.FALLBACKS].inc(1, tags={"reason": reason})

@@ -14,6 +14,11 @@ is here: the request's checks, tokenization, the one context-length check, and t
 ``router.max_running + max_queue`` live requests, past which a request fails at once with ``Overloaded``
 (HTTP 503 + Retry-After) rather than queueing without bound. A request whose caller goes away is
 cancelled in the engine (``EngineService.events``).
+
+Structured outputs: admission compiles a request's grammar (``engine.grammar.GrammarCompiler``, cached, with
+the config's time and size limits) on a worker thread, so a slow schema holds neither the event loop nor the
+step thread; whatever cannot be compiled is an ``InvalidRequest`` naming ``structured_outputs`` (the ingress
+names ``response_format`` when the grammar came from there).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from deployments.transport.directory import app_key
 from engine.assembly import make_engine
 from engine.engine import Output, Request, random_first_seq_id
 from engine.fidelity import FidelityMonitor, plain_redecoder
+from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, map_tokenizer
 from engine.service import EngineService, Live, StepProfile, TextStream
 from runtime.models import has_tokenizer, load_tokenizer
 from runtime.protocol import SamplingParams
@@ -66,6 +72,7 @@ class Router:
         self.first_seq_id = random_first_seq_id()
         self.engine = make_engine(settings, stages=self.stages, eos_token_ids=eos, detokenize=self._detokenize,
                                   first_seq_id=self.first_seq_id)
+        self.grammars, self.no_grammars = self._grammar_compiler()
         self.service = EngineService(self.engine, capacity=cfg.router.max_running + cfg.router.max_queue,
                                      request_timeout_s=cfg.router.request_timeout_s, metrics=self.metrics)
         self.fidelity = self._fidelity_monitor(settings, verifier_handle, eos) \
@@ -85,6 +92,40 @@ class Router:
         monitor.start()
         return monitor
 
+    def _grammar_compiler(self) -> tuple[GrammarCompiler | None, str | None]:
+        """The structured-output compiler of this deployment, or why it has none (said in each such 400)."""
+        if self.tokenizer is None:
+            return None, "this deployment has no tokenizer, so no structured outputs"
+        if self.stages is not None:
+            return None, ("structured outputs need router.stages 'local' (the remote stages' frames carry no "
+                          "grammar masks yet)")
+        limits = self.cfg.structured
+        try:
+            return GrammarCompiler(map_tokenizer(self.tokenizer, self.limits.vocab_size),
+                                   max_bytes=limits.max_grammar_bytes, timeout_s=limits.compile_timeout_s,
+                                   cache_size=limits.cache_size), None
+        except GrammarError as exc:
+            return None, str(exc)
+
+    async def _grammar(self, req: GenerateRequest):
+        """The compiled grammar ``req`` asks for (None: unconstrained), compiled on a worker thread."""
+        spec = req.grammar_spec()
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(self.no_grammars, "structured_outputs")
+        compiled, hits = self.grammars.compiled, self.grammars.cache_hits
+        try:
+            grammar = await asyncio.to_thread(self.grammars.compile, GrammarSpec(*spec))
+        except GrammarError as exc:
+            self.metrics.grammar(spec[0], "error")
+            raise InvalidRequest(str(exc), "structured_outputs") from None
+        if self.grammars.compiled > compiled:
+            self.metrics.grammar(spec[0], "compiled", self.grammars.compile_seconds)
+        elif self.grammars.cache_hits > hits:
+            self.metrics.grammar(spec[0], "cache_hit")
+        return grammar
+
     @property
     def handle_routes(self) -> tuple:
         """The stages' Serve-handle routes (draft, verifier), for liveness and debugging; none with local stages."""
@@ -103,10 +144,11 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------------
 
-    def _admit(self, req: GenerateRequest, *, stream: bool) -> tuple[int, Live, list[str], Request]:
+    async def _admit(self, req: GenerateRequest, *, stream: bool) -> tuple[int, Live, list[str], Request]:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest("expected a GenerateRequest", None)
         req.validate(vocab_size=self.limits.vocab_size, has_tokenizer=self.tokenizer is not None)
+        grammar = await self._grammar(req)
         prompt_param = "messages" if req.messages is not None else "prompt"
         prompt = self._prompt_ids(req)
         if not prompt:
@@ -130,7 +172,7 @@ class Router:
             top_k=defaults.top_k if req.top_k is None else int(req.top_k),
             seed=req.seed)  # None: the engine draws one and leaves the request's γ to the adaptive policy
         request = Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
-                          ignore_eos=req.ignore_eos)
+                          ignore_eos=req.ignore_eos, grammar=grammar)
         admitted = self.service.submit(request, stream=stream)
         if admitted is None:
             raise Overloaded(f"{len(self.service.live)} requests in flight (limit {self.service.capacity}); "
@@ -179,7 +221,7 @@ class Router:
     # -- the handle API -----------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        seq_id, live, stop, request = self._admit(req, stream=False)
+        seq_id, live, stop, request = await self._admit(req, stream=False)
         tokens: list[int] = []
         output: Output | None = None
         async for ev, out in self._events(seq_id, live, request):
@@ -193,7 +235,7 @@ class Router:
                                 stats=output.stats.as_dict())
 
     async def generate_stream(self, req: GenerateRequest):
-        seq_id, live, stop, request = self._admit(req, stream=True)
+        seq_id, live, stop, request = await self._admit(req, stream=True)
         stream = TextStream(self.tokenizer, stop)
         async for ev, out in self._events(seq_id, live, request):
             final = ev.finish_reason is not None

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import jsonschema
 import llguidance
 import llguidance.hf
 import torch
@@ -54,6 +55,13 @@ class GrammarSpec:
         if self.kind == "json_schema":
             if not isinstance(self.value, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
+            # llguidance skips keywords that do not apply to a type without reading them ("minimum": "ten" on
+            # a string): the metaschema of the schema's own draft refuses what is not a schema at all.
+            try:
+                jsonschema.validators.validator_for(self.value).check_schema(self.value)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path)
+                raise GrammarError(f"invalid JSON schema at /{where}: {exc.message}") from None
             return llguidance.LLMatcher.grammar_from_json_schema(self.value, JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(self.value))

@@ -2,6 +2,7 @@
 
     specserve generate --prompt "Convert to JSON: name Ada, age 36\\n{"      # embedded default pair
     specserve generate --target DIR|X.gguf --draft DIR|Y.gguf|ngram|none --prompt ... --gamma 4 --fixed-gamma
+    specserve generate --prompt ... --json-schema person.json | --regex '[0-9]{4}' | --choice yes --choice no
     specserve serve [--config cluster/examples/local.yaml]                   # Ray Serve app, HTTP + handles
     specserve plan [--config X]                      # memory plan and threads per replica; exit 1 if unfit
     specserve bench scenarios ...                                            # scripts/bench_scenarios.py
@@ -39,9 +40,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     engine = make_engine(settings, eos_token_ids=eos,
                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    try:
+        grammar = _grammar(args, tokenizer, engine.stages.verifier.vocab_size)
+    except ValueError as exc:  # GrammarError, or a schema file that is not JSON
+        print(f"specserve generate: {exc}", file=sys.stderr)
+        return 2
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     requests = [Request(tuple(tokenizer(p)["input_ids"]), max_tokens=args.max_tokens, sampling=sampling,
-                        stop=tuple(args.stop)) for p in args.prompt]
+                        stop=tuple(args.stop), grammar=grammar) for p in args.prompt]
     t0 = time.perf_counter()
     outputs = engine.generate(requests)
     seconds = time.perf_counter() - t0
@@ -59,10 +65,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grammar(args: argparse.Namespace, tokenizer, vocab_size: int):
+    """The compiled grammar of --json-schema / --regex / --choice (at most one of them), or None."""
+    from engine.grammar import GrammarCompiler, GrammarSpec, map_tokenizer
+
+    if args.json_schema:
+        spec = GrammarSpec("json_schema", json.loads(Path(args.json_schema).read_text()))
+    elif args.regex:
+        spec = GrammarSpec("regex", args.regex)
+    elif args.choice:
+        spec = GrammarSpec("choice", args.choice)
+    else:
+        return None
+    return GrammarCompiler(map_tokenizer(tokenizer, vocab_size)).compile(spec)
+
+
 def _stats_line(stats) -> str:
-    return (f"steps {stats.steps}, acceptance rate {stats.acceptance_rate:.3f}, "
+    line = (f"steps {stats.steps}, acceptance rate {stats.acceptance_rate:.3f}, "
             f"acceptance length {stats.acceptance_length:.2f}, mean gamma {stats.mean_gamma:.2f}, "
             f"alpha {stats.alpha:.3f}")
+    return line + (f", forced tokens {stats.forced}" if stats.forced else "")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -146,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=D.DEVICE)
     gen.add_argument("--dtype", default=D.DTYPE)
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    shape.add_argument("--regex", help="constrain the output to this regular expression")
+    shape.add_argument("--choice", action="append", help="constrain the output to one of these strings (repeat)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="start a local Ray cluster and serve the app (HTTP + Serve handles)")

@@ -64,7 +64,8 @@ def test_compiled_grammars_are_cached_by_source_and_tokenizer():
 
 
 @pytest.mark.parametrize("spec,says", [
-    (GrammarSpec("json_schema", {"type": "nonsense"}), "invalid grammar"),
+    (GrammarSpec("json_schema", {"type": "nonsense"}), "invalid JSON schema at /type"),
+    (GrammarSpec("json_schema", {"type": "string", "minimum": "ten"}), "invalid JSON schema at /minimum"),
     (GrammarSpec("json_schema", {"type": "array", "uniqueItems": True}), "Unimplemented"),
     (GrammarSpec("json_schema", {"$ref": "#/nowhere"}), "does not exist"),
     (GrammarSpec("json_schema", [1, 2]), "JSON object"),

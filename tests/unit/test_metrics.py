@@ -8,7 +8,7 @@ from cluster import metrics
 
 
 def test_metric_specs_are_well_formed() -> None:
-    assert len(metrics.METRICS) == 30
+    assert len(metrics.METRICS) == 34
     for name, spec in metrics.METRICS.items():
         assert name == spec.name and re.fullmatch(r"specserve_[a-z_]+", name)
         assert not name.endswith("_total"), "Ray's exporter adds _total to counters"
@@ -38,6 +38,8 @@ def test_tag_keys() -> None:
         metrics.REQUEST_LATENCY: ("status",),
         **{name: ("gpu",) for name in metrics.GPU_METRICS},
         metrics.FIDELITY_CHECKS: ("result",),
+        metrics.STRUCTURED_REQUESTS: ("kind", "outcome"),
+        metrics.GRAMMAR_COMPILE_SECONDS: ("kind",),
     }
 
 
@@ -47,6 +49,12 @@ def test_batch_buckets_cover_the_batch_cap():
 
     assert str(batch_bucket(MAX_BATCH_CAP)) == metrics.BATCH_BUCKETS[-1]
     assert {str(batch_bucket(n)) for n in range(1, 300)} <= set(metrics.BATCH_BUCKETS)
+
+
+def test_structured_kinds_are_the_grammar_layers():
+    from engine.grammar import KINDS
+
+    assert metrics.STRUCTURED_KINDS == KINDS
 
 
 def test_descriptions_are_ascii():

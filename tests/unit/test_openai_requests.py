@@ -122,14 +122,33 @@ def test_chat_normalises_messages():
     (h(tool_choice="auto"), True, "tool_choice", "not supported"),
     (h(top_logprobs=2), True, "top_logprobs", "not supported"),
     (h(parallel_tool_calls="no"), True, "parallel_tool_calls", "boolean"),
-    (h(response_format={"type": "json_object"}), True, "response_format", "text"),
-    (h(response_format={"type": "text", "x": 1}), True, "response_format", "text"),
+    (h(response_format={"type": "json_schema"}), True, "response_format", '"json_schema" exactly when'),
+    (h(response_format={"type": "xml"}), True, "response_format", "response_format.type: input should be"),
+    (h(response_format={"type": "text", "x": 1}), True, "response_format", "unrecognized"),
+    (c(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), False, "response_format",
+     "response_format.json_schema.name is required"),
+    (c(structured_outputs={"regex": 1}), False, "structured_outputs", "structured_outputs.regex must be a string"),
+    (c(structured_outputs={"choice": "yes"}), False, "structured_outputs", "list"),
+    (h(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}), True, "structured_outputs",
+     "not both"),
     (h(echo=False), True, "echo", "unrecognized"),
 ])
 def test_mistakes_name_the_parameter(body, chat, param, words):
     err = refused(body, chat)
     assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", param, None), err.body
     assert words in err.message, err.body
+
+
+def test_structured_outputs_normalise_to_the_handle_field():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    for chat, body in ((True, h(response_format=fmt)), (False, c(response_format=fmt))):
+        req, opts = parse(body, chat)
+        assert req.structured_outputs == {"json": schema} and opts["renames"]["structured_outputs"] == "response_format"
+    assert parse(h(response_format={"type": "json_object"}), True)[0].structured_outputs == {"json_object": True}
+    assert parse(h(response_format={"type": "text"}), True)[0].structured_outputs is None
+    req, opts = parse(c(structured_outputs={"choice": ["yes", "no"]}))
+    assert req.structured_outputs == {"choice": ["yes", "no"]} and "structured_outputs" not in opts["renames"]
 
 
 def test_unknown_model_is_404():
@@ -168,6 +187,9 @@ def test_field_tables_are_the_models():
     (GenerateRequest(messages=[{"role": "user", "content": "x", "name": None}]), True, "messages[0].name"),
     (GenerateRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}]), True,
      "messages[0].content"),
+    (GenerateRequest(prompt="x", structured_outputs={"regex": "a", "choice": ["b"]}), True, "structured_outputs"),
+    (GenerateRequest(prompt="x", structured_outputs={"json_object": False}), True, "structured_outputs"),
+    (GenerateRequest(prompt="x", structured_outputs={"xml": "<a/>"}), True, "structured_outputs"),
 ])
 def test_handle_requests_are_checked_by_the_same_types(req, has_tokenizer, param):
     """``GenerateRequest.validate``, which the router runs for every caller (ingress or handle)."""

@@ -5,6 +5,7 @@ grammar's forced runs count apart from model drafts; a finished grammar ends the
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -95,3 +96,15 @@ def test_a_finished_grammar_stops_and_max_tokens_stays_length():
                                  Request(ids(PROMPTS[0]), max_tokens=3, grammar=compiler().compile(GRAMMARS["person"]))])
     assert done.finish_reason == "stop" and tokenizer().decode(list(done.tokens)) in GRAMMARS["choice"].value
     assert cut.finish_reason == "length" and len(cut.tokens) == 3
+
+
+def test_cli_generate_with_a_choice(capsys):
+    from specserve import cli
+
+    pair = tiny_pair()
+    assert cli.main(["generate", "--target", pair.target, "--draft", pair.draft, "--prompt", "The quick brown fox",
+                     "--choice", "yes", "--choice", "maybe later", "--max-tokens", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["text"] in ("yes", "maybe later") and out["finish_reason"] == "stop"
+    assert cli.main(["generate", "--target", pair.target, "--draft", "none", "--prompt", "x", "--regex", "[a-"]) == 2
+    assert "invalid grammar" in capsys.readouterr().err
