@@ -82,9 +82,11 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         seq_ids = [it.sync.seq_id for it in items]
         resync = [it.sync.seq_id for it in items if not self.runner.sync(it.sync)]
-        # The draft stops one short of the context limit: the verifier needs room for the drafts too.
+        # The draft stops one short of the context limit: the verifier needs room for the drafts too (and for
+        # a forced run before them).
         gammas = [0 if it.sync.seq_id in resync else
-                  max(0, min(it.gamma, self.runner.max_len - len(self.runner.seqs[it.sync.seq_id].tokens) - 1))
+                  max(0, min(it.gamma, self.runner.max_len - len(self.runner.seqs[it.sync.seq_id].tokens)
+                             - len(it.forced) - 1))
                   for it in items]
         G = max(gammas, default=0)
         batch = ProposalBatch.empty(seq_ids, resync)
@@ -99,7 +101,9 @@ class DraftModelProposer:
         matchers = [items[b].matcher for b in active]
         nodes = 0 if any(branches) or any(m is not None for m in matchers) else (self.tree_budget(len(active), G, sampled) if self.tree_budget
                                          else self.tree_nodes)
-        first = self.runner.forward([seq_ids[b] for b in active], [[]] * len(active), [1] * len(active))[:, 0]
+        # A forced run is fed with the committed tail, so the chain is drafted after it.
+        prefixes = [list(items[b].forced) for b in active]
+        first = self.runner.forward([seq_ids[b] for b in active], prefixes, [1] * len(active))[:, 0]
         if nodes:
             self._draft_tree(batch, active, seq_ids, first, gammas, params, nodes)
             batch.draft_seconds = time.perf_counter() - t0
@@ -109,8 +113,8 @@ class DraftModelProposer:
         K = (self.q_top_k or self.vocab_size) if sampled else 0
         states = [self.runner.seqs[seq_ids[b]] for b in active]
         t_loop = time.perf_counter()
-        masks = DraftMasks(matchers, self.vocab_size) if any(m is not None for m in matchers) else None
-        out = self._draft_loop(first, [s.slot for s in states], [len(s.tokens) for s in states],
+        masks = DraftMasks(matchers, self.vocab_size, prefixes) if any(m is not None for m in matchers) else None
+        out = self._draft_loop(first, [s.slot for s in states], [len(s.tokens) + len(p) for s, p in zip(states, prefixes)],
                                [gammas[b] for b in active], params, G, K, branches, masks)
         tokens, lengths, fed, *q = fetch(*out)  # the step's one read back
         fed_list = fed.tolist()

@@ -18,15 +18,21 @@ from runtime.host_copy import to_device
 
 
 class DraftMasks:
-    """The matchers of one draft loop's rows (None: unconstrained), advanced position by position; ``rollback``
-    restores each to its committed state. ``seconds``: time spent filling and applying masks."""
+    """The matchers of one draft loop's rows (None: unconstrained), first advanced through each row's forced run
+    (``prefixes``: the chain is drafted after it), then position by position; ``rollback`` restores each to its
+    committed state. ``seconds``: time spent filling and applying masks."""
 
-    def __init__(self, matchers: Sequence[Matcher | None], vocab: int):
+    def __init__(self, matchers: Sequence[Matcher | None], vocab: int, prefixes: Sequence[Sequence[int]]):
         self.matchers = list(matchers)
         self.rows = [r for r, m in enumerate(self.matchers) if m is not None]
         self.consumed = [0] * len(self.matchers)
         self.vocab = vocab
         self.seconds = 0.0
+        for r in self.rows:
+            if prefixes[r]:
+                if not self.matchers[r].consume(prefixes[r]):
+                    raise RuntimeError(f"the grammar refuses the run {list(prefixes[r])} it forced")
+                self.consumed[r] = len(prefixes[r])
 
     def apply(self, logits: torch.Tensor,  # [Ab, V] the next position's draft logits (Ab ≥ rows)
               alive: torch.Tensor,  # [Ab] bool, rows still drafting

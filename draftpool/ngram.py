@@ -101,12 +101,18 @@ class NgramProposer:
                 continue
             hist.truncate(it.sync.base)
             hist.extend(it.sync.tokens)
+            committed = len(hist.tokens)
+            # Drafts continue after the tokens the grammar forces; they are forgotten after the lookup (the
+            # rebuild this costs happens only on such steps).
+            hist.extend(it.forced)
             if it.gamma <= 0:
                 drafts.append([])
             elif it.branch:
                 drafts.append(hist.branch(it.gamma, it.branch))
             else:
                 drafts.append(hist.lookup(it.gamma))
+            if it.forced:
+                hist.truncate(committed)
         batch = ProposalBatch.empty(seq_ids, resync)
         G = max((len(d) for d in drafts), default=0)
         batch.tokens = torch.zeros((len(items), G), dtype=torch.long)

@@ -270,11 +270,14 @@ class Engine:
         items, forced = [], {}
         for seq in batch:
             gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else chosen)
-            run = self._forced(seq)
+            run, ends = self._forced(seq)
             if run:
-                forced[seq.seq_id], gamma = run, 0  # the grammar drafts this row; the proposer only syncs
+                # The grammar drafts the run; the proposer drafts after it, within the row's room, unless the
+                # run completes the grammar.
+                forced[seq.seq_id] = run
+                gamma = 0 if ends else max(0, min(gamma, self._room(seq, len(run) + gamma) - len(run)))
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
-                                     gamma, seq.request.sampling, matcher=seq.matcher))
+                                     gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run)))
             seq.proposer_base = len(seq.tokens)
         ids = [seq.seq_id for seq in batch]
         # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
@@ -300,26 +303,32 @@ class Engine:
         room = self.max_len - len(seq.tokens) - 1
         return max(0, min(gamma, remaining - 1, room))
 
-    def _forced(self, seq: Sequence) -> list[int]:
+    def _forced(self, seq: Sequence) -> tuple[list[int], bool]:
         """The run of tokens the grammar forces next, as far as the row may draft (none when not speculating:
-        plain decoding stays target-only)."""
+        plain decoding stays target-only), and whether it completes the grammar (nothing to draft after it)."""
         if seq.matcher is None or not self.speculate or not self.forced_tokens:
-            return []
-        return seq.matcher.forced_tokens()[: self._room(seq, self.policy.gamma_max)]
+            return [], False
+        run = seq.matcher.forced_tokens()[: self._room(seq, self.policy.gamma_max)]
+        if not run or not seq.matcher.consume(run):
+            return [], False
+        ends = seq.matcher.is_stopped
+        seq.matcher.rollback(len(run))
+        return run, ends
 
     def _verify_items(self, batch: list[Sequence], proposal: ProposalBatch) -> list[VerifyItem]:
         row = {s: b for b, s in enumerate(proposal.seq_ids)}
         items = []
-        t0 = time.perf_counter()
+        self._mask_seconds = 0.0
         for s in batch:
             mask = None
             if s.matcher is not None:
+                t0 = time.perf_counter()
                 drafts = proposal.row_tokens(row[s.seq_id]) if s.seq_id in row else []
                 mask = allow_all(len(drafts) + 1, s.request.grammar.vocab_size)
                 s.matcher.fill_mask(mask, drafts)
+                self._mask_seconds += time.perf_counter() - t0
             items.append(VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])),
                                     s.request.sampling, mask))
-        self._mask_seconds = time.perf_counter() - t0
         return items
 
     def _commit(self, batch: list[Sequence], proposal: ProposalBatch, outcome: VerifyOutcome,
@@ -352,15 +361,20 @@ class Engine:
             seq.failures = 0
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
             new = self._append(seq, emitted)
-            if seq_id in forced:
-                # Forced tokens are not the draft's: they count apart and teach the γ policy nothing about α.
-                for st in (seq.stats, step_stats):
-                    st.record(0, 0, len(new), nodes=0)
-                    st.forced += accepted
+            # Forced tokens are not the draft's: they count apart and teach the γ policy nothing about α. The
+            # model's drafts after a forced run were verified only if the whole run was accepted.
+            n_forced = len(forced.get(seq_id, ()))
+            forced_accepted = min(accepted, n_forced)
+            if forced_accepted < n_forced:
+                proposed = accepted = 0
             else:
-                self.policy.observe(seq.gamma_state, proposed, accepted, nodes.get(seq_id, 0))
-                for st in (seq.stats, step_stats):
-                    st.record(proposed, accepted, len(new), nodes=nodes.get(seq_id, 0))
+                proposed, accepted = proposed - n_forced, accepted - n_forced
+            drafted = nodes.get(seq_id, 0) - n_forced
+            if proposed or not n_forced:
+                self.policy.observe(seq.gamma_state, proposed, accepted, drafted)
+            for st in (seq.stats, step_stats):
+                st.record(proposed, accepted, len(new), nodes=drafted)
+                st.forced += forced_accepted
             events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
             if seq.finish_reason is not None:
                 done.append(seq)

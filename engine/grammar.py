@@ -88,9 +88,8 @@ def map_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 class LLGuidanceMatcher:
     """``runtime.grammar.Matcher`` over one ``llguidance.LLMatcher``."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, executor: llguidance.LLExecutor):
+    def __init__(self, matcher: llguidance.LLMatcher):
         self._m = matcher
-        self._executor = executor
 
     def consume(self, tokens: Sequence[int]) -> bool:
         return self._m.consume_tokens(list(tokens))
@@ -101,14 +100,23 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, out: torch.Tensor,  # [len(drafts) + 1, W] int32, contiguous, CPU
                   drafts: Sequence[int] = ()) -> None:
-        # One native call walks the drafts and restores the matcher's state afterwards.
+        # On the calling thread, row by row (microseconds each): llguidance's executor would fill the rows in
+        # one call, but hands the work to its own thread pool, and on a CPU host whose cores torch's threads
+        # keep busy that hand-off cost milliseconds per step. A draft is consumed only after its row's mask
+        # allows it: consuming a refused token would leave the matcher in its error state for good.
         if out.shape[0] < len(drafts) + 1 or not out.is_contiguous() or out.dtype != torch.int32:
             raise ValueError(f"mask buffer {tuple(out.shape)} {out.dtype} cannot hold {len(drafts) + 1} rows")
-        if drafts:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token([(self._m, 0, list(drafts))], out.data_ptr(),
-                                                                    out.shape[1] * 4, out.shape[0])
-        else:
-            self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.shape[1] * 4)
+        row_bytes = out.shape[1] * 4
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            self._m.unsafe_compute_mask_ptr(out[i].data_ptr(), row_bytes)
+            if i == len(drafts) or self._m.is_stopped():
+                break
+            token = drafts[i]
+            if not (int(out[i, token >> 5]) >> (token & 31)) & 1 or not self._m.consume_token(token):
+                break
+            consumed += 1
+        self.rollback(consumed)
 
     def forced_tokens(self) -> list[int]:
         return self._m.compute_ff_tokens()
@@ -130,16 +138,15 @@ class CompiledGrammar:
     """One validated grammar for one tokenizer: a fresh matcher is copied from it per sequence (a copy costs
     microseconds; building a matcher from the source recompiles it)."""
 
-    def __init__(self, kind: str, vocab_size: int, template: llguidance.LLMatcher, executor: llguidance.LLExecutor):
+    def __init__(self, kind: str, vocab_size: int, template: llguidance.LLMatcher):
         self.kind = kind
         self.vocab_size = vocab_size
         self._template = template
-        self._executor = executor
         self._lock = threading.Lock()  # requests arrive on several threads; the template is one object
 
     def matcher(self) -> LLGuidanceMatcher:
         with self._lock:
-            return LLGuidanceMatcher(self._template.deep_copy(), self._executor)
+            return LLGuidanceMatcher(self._template.deep_copy())
 
 
 class GrammarCompiler:
@@ -154,7 +161,6 @@ class GrammarCompiler:
         # The tokenizer's part of every cache key: its whole vocabulary, as llguidance sees it.
         self._fingerprint = hashlib.sha256(
             b"\0".join(tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size))).digest()
-        self._executor = llguidance.LLExecutor()
         # Two workers: one compilation past its time limit keeps running (native code cannot be interrupted;
         # llguidance's fuel limits end it) without blocking the next request's.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
@@ -187,7 +193,7 @@ class GrammarCompiler:
         except concurrent.futures.TimeoutError:
             raise GrammarError(f"the grammar took longer than {self.timeout_s:g} s to compile") from None
         self.compile_seconds = time.perf_counter() - started
-        grammar = CompiledGrammar(spec.kind, self.vocab_size, template, self._executor)
+        grammar = CompiledGrammar(spec.kind, self.vocab_size, template)
         with self._lock:
             self.compiled += 1
             self._cache[key] = grammar

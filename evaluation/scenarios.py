@@ -45,6 +45,8 @@ the order they first appear; ``--prompts N`` keeps the first N of each.
         [--batch 16] [--skip-hf] [--out DIR]
     specserve bench scenarios -- --prompts 8
 
+``--structured`` runs the structured-outputs benchmark instead (``evaluation/structured.py``).
+
 Writes DIR/scenarios.json, DIR/scenarios.md and DIR/scenarios.png (gain vs acceptance with the bound
 curve; DIR defaults to bench-out); progress bars on stderr. Run time grows with the runs per prompt:
 ``--prompts``, ``--fixed-gammas none`` and ``--skip-hf`` shorten it.
@@ -231,9 +233,16 @@ def main() -> int:
                         help="run every prompt this many times and time each run by its fastest (shared machines)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face comparisons")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for scenarios.{json,md,png}")
+    parser.add_argument("--structured", action="store_true",
+                        help="structured outputs instead (evaluation/structured.py): JSON schema, regex and choice "
+                             "prompts, unconstrained vs constrained, plain and speculative")
     args = parser.parse_args()
     if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1 or args.batch < 0:
         parser.error("--prompts, --max-tokens and --repeats must be ≥ 1, --batch ≥ 0")
+    if args.structured:
+        from evaluation.structured import run_structured
+
+        return run_structured(args)
     try:
         return run(args)
     except PromptError as e:

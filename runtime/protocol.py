@@ -61,6 +61,9 @@ class ProposeItem:
     # carries no matcher). The draft samples from its q masked by it, advanced through its own proposed
     # tokens and rolled back before the proposal returns; a batch with a constrained row drafts chains.
     matcher: Matcher | None = None
+    # Tokens the row's grammar forces next (structured outputs): the engine proposes them itself; the proposer
+    # drafts its ``gamma`` tokens after them and returns only those (in-process stages only, like ``matcher``).
+    forced: tuple[int, ...] = ()
 
 
 @dataclass

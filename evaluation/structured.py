@@ -1,0 +1,168 @@
+"""Structured mode of the scenario benchmark (issue 31): ``scripts/bench_scenarios.py --structured``.
+
+Prompts (``scripts/prompts/structured.jsonl``, or ``--prompts-file``): JSON lines with a ``scenario`` name, a
+completion ``prompt`` and what the output must match — ``schema`` (a JSON schema), ``regex`` or ``choice``
+(a list of strings). Per scenario, at batch 1, every prompt goes through four runs in turn (interleaved as
+the scenario benchmark does, ``evaluation.scenarios.interleaved``):
+
+- ``unconstrained spec``: the draft model with the adaptive γ, no grammar (what a caller gets today);
+- ``constrained plain``: the target alone, its logits masked by the grammar;
+- ``constrained spec``: the draft model, masked q and masked p, forced tokens proposed free;
+- ``constrained spec, no forced``: the same without forced tokens (``speculation.forced_tokens: false``).
+
+Columns: the share of outputs valid against their schema (``json.loads`` + ``jsonschema``) / regex / choice,
+the acceptance rate of model drafts, tokens per target pass (emitted per verify step), tokens/s, forced-token
+share, mask milliseconds per step and the mask's share of the run's wall time. Constrained greedy outputs of
+the speculative runs are compared with the constrained plain run's (they must be identical).
+
+    python scripts/bench_scenarios.py --structured [--prompts 16] [--max-tokens 96] [--repeats 2] [--out DIR]
+
+Writes DIR/structured.json and DIR/structured.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO / "scripts" / "prompts" / "structured.jsonl"
+RUNS = ("unconstrained spec", "constrained plain", "constrained spec", "constrained spec, no forced")
+
+
+def load_rows(path: Path, limit: int) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            group = groups.setdefault(row["scenario"], [])
+            if len(group) < limit:
+                group.append(row)
+    return groups
+
+
+def grammar_spec(row: dict):
+    from engine.grammar import GrammarSpec
+
+    if "schema" in row:
+        return GrammarSpec("json_schema", row["schema"])
+    if "regex" in row:
+        return GrammarSpec("regex", row["regex"])
+    return GrammarSpec("choice", row["choice"])
+
+
+def valid(row: dict, text: str) -> bool:
+    """Whether ``text`` is what ``row`` asks for."""
+    import jsonschema
+
+    if "regex" in row:
+        return re.fullmatch(row["regex"], text) is not None
+    if "choice" in row:
+        return text in row["choice"]
+    try:
+        jsonschema.validate(json.loads(text), row["schema"])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run_structured(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from cluster.model_files import check_pair
+    from engine.assembly import EngineSettings, make_engine
+    from engine.engine import Request
+    from engine.grammar import GrammarCompiler, map_tokenizer
+    from evaluation.scenarios import interleaved
+    from runtime.models import build_model, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    check_pair(args.target, args.draft, where=(args.target, args.draft))
+    tok = load_tokenizer(args.target)
+    target = build_model(args.target, "cpu", "float32")
+    draft = build_model(args.draft, "cpu", "float32")
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    max_len = min(1024, target.config.max_position_embeddings)
+    compiler = GrammarCompiler(map_tokenizer(tok, target.config.vocab_size))
+
+    def engine(proposer: str | None, forced: bool = True):
+        settings = EngineSettings(target=args.target, draft=proposer, device="cpu", dtype="float32", max_len=max_len,
+                                  max_slots=1, gamma=args.gamma, gamma_max=args.gamma_max, forced_tokens=forced)
+        return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
+
+    engines = dict(zip(RUNS, (engine(args.draft), engine(None), engine(args.draft), engine(args.draft, forced=False))))
+
+    def runner(name: str):
+        eng = engines[name]
+
+        def run_one(x):
+            ids, grammar = x
+            request = Request(tuple(ids), max_tokens=args.max_tokens,
+                              grammar=None if name == "unconstrained spec" else grammar)
+            return list(eng.generate([request])[0].tokens)
+        return run_one
+
+    runs = {name: runner(name) for name in RUNS}
+    groups = load_rows(args.prompts_file or PROMPTS, args.prompts)
+    rows = []
+    for scenario, prompt_rows in groups.items():
+        inputs = [(tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))) for r in prompt_rows]
+        for run_one in runs.values():
+            run_one(inputs[0])  # warm-up: first-call costs, the γ policy's first steps
+        for eng in engines.values():
+            eng.stats = type(eng.stats)()
+        outputs, seconds = interleaved(runs, inputs, args.repeats, tqdm(desc=scenario, file=sys.stderr, leave=False))
+        row = {"scenario": scenario, "prompts": len(inputs), "runs": {}}
+        for name in RUNS:
+            st = engines[name].stats
+            texts = [tok.decode(o, skip_special_tokens=True) for o in outputs[name]]
+            tokens = sum(map(len, outputs[name]))
+            row["runs"][name] = {
+                "valid_share": sum(valid(r, t) for r, t in zip(prompt_rows, texts)) / len(texts),
+                "acceptance_rate": st.acceptance_rate, "tokens_per_pass": st.acceptance_length,
+                "tok_s": tokens / seconds[name], "forced_share": st.forced_share,
+                # per repeat: the stats count every repeat's steps, the seconds the fastest repeat
+                "mask_ms_per_step": 1e3 * st.mask_seconds / max(st.steps, 1),
+                "mask_share": st.mask_seconds / args.repeats / seconds[name],
+                "identical_to_plain": sum(a == b for a, b in zip(outputs[name], outputs["constrained plain"])),
+                "sample": texts[0]}
+        runs_ = row["runs"]
+        row["constrained_over_unconstrained_spec"] = runs_["constrained spec"]["tok_s"] / runs_["unconstrained spec"]["tok_s"]
+        row["forced_gain"] = runs_["constrained spec"]["tok_s"] / runs_["constrained spec, no forced"]["tok_s"]
+        rows.append(row)
+
+    report = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
+              "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "scenarios": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "structured.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (args.out / "structured.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {args.out / 'structured.json'}, {args.out / 'structured.md'}")
+    return 0
+
+
+def markdown(report: dict) -> str:
+    head = ["scenario", "run", "valid", "acceptance rate", "tokens / target pass", "tok/s*", "forced share",
+            "mask ms / step", "mask share", "identical to constrained plain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["scenarios"]:
+        for name, v in r["runs"].items():
+            same = "" if name == "unconstrained spec" else f"{v['identical_to_plain']}/{r['prompts']}"
+            lines.append("| " + " | ".join([
+                f"{r['scenario']} ({r['prompts']})", name, f"{v['valid_share']:.0%}", f"{v['acceptance_rate']:.1%}",
+                f"{v['tokens_per_pass']:.2f}", f"{v['tok_s']:.1f}", f"{v['forced_share']:.1%}",
+                f"{v['mask_ms_per_step']:.3f}", f"{v['mask_share']:.1%}", same]) + " |")
+    lines.append("")
+    lines += [f"{r['scenario']}: constrained spec / unconstrained spec {r['constrained_over_unconstrained_spec']:.2f}×, "
+              f"forced tokens gain {r['forced_gain']:.2f}×" for r in report["scenarios"]]
+    lines.append(f"*absolute figures: {report['machine']}, {report['date']}; batch 1, max_tokens "
+                 f"{report['max_tokens']}, fastest of {report['repeats']} repeats.")
+    return "\n".join(lines)
