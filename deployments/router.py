@@ -96,9 +96,6 @@ class Router:
         """The structured-output compiler of this deployment, or why it has none (said in each such 400)."""
         if self.tokenizer is None:
             return None, "this deployment has no tokenizer, so no structured outputs"
-        if self.stages is not None:
-            return None, ("structured outputs need router.stages 'local' (the remote stages' frames carry no "
-                          "grammar masks yet)")
         limits = self.cfg.structured
         try:
             return GrammarCompiler(map_tokenizer(self.tokenizer, self.limits.vocab_size),

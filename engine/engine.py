@@ -272,10 +272,10 @@ class Engine:
             gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else chosen)
             run, ends = self._forced(seq)
             if run:
-                # The grammar drafts the run; the proposer drafts after it, within the row's room, unless the
-                # run completes the grammar.
+                # The grammar drafts the run; the proposer drafts after it, unless the run completes the grammar;
+                # the whole chain stays within the row's room and gamma_max (what a verify frame may carry).
                 forced[seq.seq_id] = run
-                gamma = 0 if ends else max(0, min(gamma, self._room(seq, len(run) + gamma) - len(run)))
+                gamma = 0 if ends else max(0, min(gamma, self._room(seq, self.policy.gamma_max) - len(run)))
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run)))
             seq.proposer_base = len(seq.tokens)

@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 import torch
 
+from runtime.grammar import mask_words
 from runtime.protocol import (
     ProposalBatch,
     ProposeItem,
@@ -45,7 +46,9 @@ from runtime.protocol import (
     VerifyOutcome,
 )
 
-SCHEMA_VERSION = 2  # 2: proposals carry ``parents`` (token trees), propose rows their ``branch``
+# 2: proposals carry ``parents`` (token trees), propose rows their ``branch``; 3: propose rows carry their
+# grammar's forced run, verify frames the constrained rows' grammar masks (structured outputs)
+SCHEMA_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20
 MAX_ROWS = 1 << 16  # the largest batch a frame may carry; also the msgpack array cap
 _MAX_MAP_LEN = 16
@@ -187,6 +190,10 @@ def encode_propose(items: Sequence[ProposeItem]) -> bytes:
     rows = _encode_rows([i.sync for i in items], [i.sampling for i in items])
     rows["gamma"] = _ints([i.gamma for i in items], _I32, "gamma")
     rows["branch"] = _ints([i.branch for i in items], _I32, "branch")
+    # A row's grammar matcher stays with the router: a remote draft drafts unmasked after the forced run,
+    # which the verifier's masked p keeps exact (a refused draft is rejected like any other).
+    rows["forced_lens"] = _ints([len(i.forced) for i in items], _I32, "forced_lens")
+    rows["forced"] = _ints(list(chain.from_iterable(i.forced for i in items)), _I32, "forced")
     return _pack({"v": SCHEMA_VERSION, "kind": "propose", **rows})
 
 
@@ -198,7 +205,21 @@ def encode_proposal(batch: ProposalBatch) -> bytes:
 def encode_verify(items: Sequence[VerifyItem], proposal: ProposalBatch) -> bytes:
     """Router → verifier: row b of ``proposal`` is the proposal for ``items[b]``."""
     rows = _encode_rows([i.sync for i in items], [i.sampling for i in items])
-    return _pack({"v": SCHEMA_VERSION, "kind": "verify", "items": rows, "proposal": _encode_proposal_body(proposal)})
+    return _pack({"v": SCHEMA_VERSION, "kind": "verify", "items": rows, "proposal": _encode_proposal_body(proposal),
+                  "masks": _encode_masks([i.mask for i in items])})
+
+
+def _encode_masks(masks: Sequence[torch.Tensor | None]) -> dict[str, Any] | None:
+    """Constrained rows' masks ([rows_b, W] int32 each; None: unconstrained) as one int32 column; None when
+    no row is constrained, so unconstrained batches send nothing."""
+    given = [m for m in masks if m is not None]
+    if not given:
+        return None
+    words = given[0].shape[-1]
+    if any(m.dim() != 2 or m.shape[1] != words or m.dtype != torch.int32 for m in given):
+        raise WireError(f"verify: masks must be [rows, {words}] int32 each")
+    return {"rows": _ints([0 if m is None else m.shape[0] for m in masks], _I32, "masks.rows"), "words": words,
+            "bits": b"".join(m.contiguous().numpy().astype(_I32).tobytes() for m in given)}
 
 
 def encode_outcome(outcome: VerifyOutcome) -> bytes:
@@ -478,13 +499,20 @@ def _decode_proposal_body(m: dict[str, Any], what: str, limits: WireLimits) -> P
 
 
 def decode_propose(data: bytes, limits: WireLimits) -> list[ProposeItem]:
-    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma", "branch"))
+    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma", "branch", "forced_lens", "forced"))
     seq_ids, syncs, samplings = _decode_rows(frame, "propose", limits)
     gamma = _values(frame, "gamma", _I32, "propose", len(seq_ids))
     _in_range(gamma, 0, limits.gamma_max + 1, "propose.gamma")
     branch = _values(frame, "branch", _I32, "propose", len(seq_ids))
     _in_range(branch, 0, limits.vocab_size, "propose.branch")  # branch b may start at the (b+1)-th likeliest token
-    return [ProposeItem(s, g, p, b) for s, g, p, b in zip(syncs, gamma, samplings, branch)]
+    forced_lens = _values(frame, "forced_lens", _I32, "propose", len(seq_ids))
+    _in_range(forced_lens, 0, limits.gamma_max + 1, "propose.forced_lens")
+    forced = _token_ids(frame, "forced", "propose", limits, sum(forced_lens)).tolist()
+    runs, at = [], 0
+    for n in forced_lens:
+        runs.append(tuple(forced[at:at + n]))
+        at += n
+    return [ProposeItem(s, g, p, b, forced=f) for s, g, p, b, f in zip(syncs, gamma, samplings, branch, runs)]
 
 
 def decode_proposal(data: bytes, limits: WireLimits) -> ProposalBatch:
@@ -492,7 +520,7 @@ def decode_proposal(data: bytes, limits: WireLimits) -> ProposalBatch:
 
 
 def decode_verify(data: bytes, limits: WireLimits) -> tuple[list[VerifyItem], ProposalBatch]:
-    frame = _unpack(data, "verify", ("items", "proposal"))
+    frame = _unpack(data, "verify", ("items", "proposal", "masks"))
     seq_ids, syncs, samplings = _decode_rows(_map(frame["items"], "verify.items", _ROW_KEYS), "verify.items", limits)
     body = _map(frame["proposal"], "verify.proposal", _PROPOSAL_KEYS)
     proposal = _decode_proposal_body(body, "verify.proposal", limits)
@@ -504,7 +532,32 @@ def decode_verify(data: bytes, limits: WireLimits) -> tuple[list[VerifyItem], Pr
         drafted = [b for b in sampled if lengths[b]]
         if drafted:
             raise WireError(f"verify: row {drafted[0]} is sampled and drafted but the proposal has no q")
-    return [VerifyItem(s, p) for s, p in zip(syncs, samplings)], proposal
+    masks = _decode_masks(frame["masks"], proposal, limits)
+    return [VerifyItem(s, p, m) for s, p, m in zip(syncs, samplings, masks)], proposal
+
+
+def _decode_masks(value: Any, proposal: ProposalBatch, limits: WireLimits) -> list[torch.Tensor | None]:
+    """Each row's grammar masks: none, or one more than its drafts (before the first draft and after each)."""
+    n = len(proposal.seq_ids)
+    if value is None:
+        return [None] * n
+    m = _map(value, "verify.masks", ("rows", "words", "bits"))
+    if proposal.parents is not None:
+        raise WireError("verify.masks: a token-tree proposal cannot carry constrained rows")
+    words = mask_words(limits.vocab_size)
+    _int(m["words"], "verify.masks.words", words, words)
+    rows = _values(m, "rows", _I32, "verify.masks", n)
+    lengths = proposal.lengths.tolist()
+    for b, r in enumerate(rows):
+        if r and r != lengths[b] + 1:
+            raise WireError(f"verify.masks: row {b} has {r} mask rows; a constrained row has one more than its "
+                            f"{lengths[b]} drafts")
+    bits = _column(m, "bits", _I32, "verify.masks", sum(rows) * words)
+    out, at = [], 0
+    for r in rows:
+        out.append(torch.from_numpy(bits[at:at + r * words].reshape(r, words).copy()) if r else None)
+        at += r * words
+    return out
 
 
 def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:

@@ -108,8 +108,10 @@ BAD_JSON = [
     ("chat prompt field", H, h(prompt="x"), 400, "invalid_request_error", "prompt", None),
     ("tools", H, h(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "invalid_request_error", "tools",
      None),
-    ("response_format json", H, h(response_format={"type": "json_object"}), 400, "invalid_request_error",
-     "response_format", None),
+    ("response_format bad schema", H, h(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}), 400, "invalid_request_error", "response_format", None),
+    ("structured_outputs bad regex", C, c(structured_outputs={"regex": "[a-"}), 400, "invalid_request_error",
+     "structured_outputs", None),
     ("chat unknown model", H, h(model="nope"), 404, "invalid_request_error", "model", "model_not_found"),
     ("prompt token id bool", C, c(prompt=[5, True]), 400, "invalid_request_error", "prompt", None),
     ("two prompts as ids", C, c(prompt=[[5], [6]]), 400, "invalid_request_error", "prompt", None),

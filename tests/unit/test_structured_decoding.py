@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from engine.engine import Request
+from engine.engine import Done, Request
 from engine.grammar import GrammarSpec
+from runtime import wire
 from runtime.protocol import SamplingParams
 from tests.fixtures_tokenizer import _loaded, reference, tiny_pair, tokenizer
 from tests.unit.grammar_fixtures import PERSON, compiler, masked_greedy
@@ -96,6 +97,39 @@ def test_a_finished_grammar_stops_and_max_tokens_stays_length():
                                  Request(ids(PROMPTS[0]), max_tokens=3, grammar=compiler().compile(GRAMMARS["person"]))])
     assert done.finish_reason == "stop" and tokenizer().decode(list(done.tokens)) in GRAMMARS["choice"].value
     assert cut.finish_reason == "length" and len(cut.tokens) == 3
+
+
+class WireStages:
+    """In-process stages behind the wire format, as remote stages are reached: every call and answer is encoded
+    and decoded (``runtime.wire``), so the draft gets no matcher (it drafts unmasked after the forced run) and
+    the verifier gets the masks from the frame."""
+
+    def __init__(self, stages, limits):
+        self.stages, self.limits = stages, limits
+
+    def submit_propose(self, items, shard=0):
+        decoded = wire.decode_propose(wire.encode_propose(items), self.limits)
+        assert all(it.matcher is None for it in decoded)
+        proposal = self.stages.proposer.propose(decoded)
+        return Done(wire.decode_proposal(wire.encode_proposal(proposal), self.limits))
+
+    def submit_verify(self, items, proposal, shard=0):
+        outcome = self.stages.verifier.verify(*wire.decode_verify(wire.encode_verify(items, proposal), self.limits))
+        return Done(wire.decode_outcome(wire.encode_outcome(outcome), self.limits))
+
+    def release(self, seq_ids, shard=0):
+        self.stages.release(seq_ids, shard)
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_constrained_decoding_through_the_wire_format(draft):
+    target, draft_model = models()
+    engine = make_engine(target, draft_model if draft == "model" else "ngram", gamma=4, max_len=256)
+    engine.stages = WireStages(engine.stages, wire.WireLimits(vocab_size=tiny_pair().vocab_size, gamma_max=8,
+                                                              max_batch=16, max_seq_len=256))
+    outs = engine.generate(requests(MIX))
+    assert [o.tokens for o in outs] == [expected(p, g) for p, g in MIX]
+    assert engine.stats.forced > 0
 
 
 def test_cli_generate_with_a_choice(capsys):

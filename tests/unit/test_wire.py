@@ -197,6 +197,44 @@ def i64(*values: int) -> bytes:
     return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
 
 
+def test_structured_outputs_round_trip() -> None:
+    """A propose row's forced run, and the verify frame's grammar masks of constrained rows only."""
+    items = [ProposeItem(SyncItem(1, 0, (5, 6)), gamma=3, forced=(7, 8)), ProposeItem(SyncItem(2, 0, (9,)), gamma=2)]
+    assert wire.decode_propose(wire.encode_propose(items), LIMITS) == items
+    words = wire.mask_words(LIMITS.vocab_size)
+    mask = torch.arange(3 * words, dtype=torch.int32).view(3, words) - 5  # [drafts + 1, W]: row 0 has 2 drafts
+    verify = [VerifyItem(SyncItem(3, 0, (1, 2)), SAMPLED, mask), VerifyItem(SyncItem(1, 5, (9,)), GREEDY)]
+    got, proposal = wire.decode_verify(wire.encode_verify(verify, sampled_proposal()), LIMITS)
+    assert torch.equal(got[0].mask, mask) and got[1].mask is None
+    assert [(i.sync, i.sampling) for i in got] == [(i.sync, i.sampling) for i in verify]
+    assert unpacked(wire.encode_verify(verify[1:], ProposalBatch.empty([1])))["masks"] is None
+
+
+def test_bad_structured_outputs() -> None:
+    words = wire.mask_words(LIMITS.vocab_size)
+    frame = unpacked(wire.encode_propose([ProposeItem(SyncItem(1, 0, (5,)), gamma=1, forced=(7,))]))
+    with pytest.raises(WireError, match="forced.*outside"):
+        wire.decode_propose(tampered(frame, forced=i32(100)), LIMITS)
+    with pytest.raises(WireError, match="forced"):
+        wire.decode_propose(tampered(frame, forced_lens=i32(2)), LIMITS)
+    verify = [VerifyItem(SyncItem(3, 0, (1, 2)), SAMPLED, torch.zeros(2, words, dtype=torch.int32)),
+              VerifyItem(SyncItem(1, 5, (9,)), GREEDY)]
+    with pytest.raises(WireError, match="one more than its 2 drafts"):
+        wire.decode_verify(wire.encode_verify(verify, sampled_proposal()), LIMITS)
+    good = [VerifyItem(verify[0].sync, SAMPLED, torch.zeros(3, words, dtype=torch.int32)), verify[1]]
+    frame = unpacked(wire.encode_verify(good, sampled_proposal()))
+    with pytest.raises(WireError, match="masks.words"):
+        wire.decode_verify(tampered(frame, masks=dict(frame["masks"], words=words + 1)), LIMITS)
+    with pytest.raises(WireError, match="values, expected"):
+        wire.decode_verify(tampered(frame, masks=dict(frame["masks"], bits=frame["masks"]["bits"][:-4])), LIMITS)
+    tree = [VerifyItem(SyncItem(3, 0, (1, 2)), GREEDY, torch.zeros(4, words, dtype=torch.int32)),
+            VerifyItem(SyncItem(1, 5, (9,)))]
+    with pytest.raises(WireError, match="token-tree"):
+        wire.decode_verify(wire.encode_verify(tree, tree_proposal()), LIMITS)
+    with pytest.raises(WireError, match="int32"):
+        wire.encode_verify([VerifyItem(SyncItem(3, 0, (1,)), GREEDY, torch.zeros(3, words))], sampled_proposal())
+
+
 def propose_frame() -> dict[str, Any]:
     return unpacked(wire.encode_propose(propose_items()))
 
