@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 
@@ -111,17 +112,12 @@ class Router:
             return None
         if self.grammars is None:
             raise InvalidRequest(self.no_grammars, "structured_outputs")
-        compiled, hits = self.grammars.compiled, self.grammars.cache_hits
+        outcome = functools.partial(self.metrics.grammar, spec[0])
         try:
-            grammar = await asyncio.to_thread(self.grammars.compile, GrammarSpec(*spec))
+            return await asyncio.to_thread(self.grammars.compile, GrammarSpec(*spec), outcome)
         except GrammarError as exc:
-            self.metrics.grammar(spec[0], "error")
+            outcome("error", None)
             raise InvalidRequest(str(exc), "structured_outputs") from None
-        if self.grammars.compiled > compiled:
-            self.metrics.grammar(spec[0], "compiled", self.grammars.compile_seconds)
-        elif self.grammars.cache_hits > hits:
-            self.metrics.grammar(spec[0], "cache_hit")
-        return grammar
 
     @property
     def handle_routes(self) -> tuple:

@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jsonschema
 import llguidance
@@ -168,11 +168,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compiled = 0
         self.cache_hits = 0
-        self.compile_seconds = 0.0  # the last compilation's
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec,
+                outcome: Callable[[str, float | None], None] | None = None) -> CompiledGrammar:
         """The grammar of ``spec`` (cached); raises ``GrammarError``. Blocks up to the time limit: call it
-        off any loop that must stay responsive."""
+        off any loop that must stay responsive. ``outcome`` hears "cache_hit" or "compiled" with the seconds
+        compilation took (the metrics' labels)."""
         try:
             source = spec.source()
         except ValueError as exc:  # llguidance's own complaint about a schema that is not a JSON object
@@ -185,20 +186,25 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                return hit
+        if hit is not None:
+            if outcome is not None:
+                outcome("cache_hit", None)
+            return hit
         started = time.perf_counter()
         future = self._pool.submit(self._build, source)
         try:
             template = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise GrammarError(f"the grammar took longer than {self.timeout_s:g} s to compile") from None
-        self.compile_seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started
         grammar = CompiledGrammar(spec.kind, self.vocab_size, template)
         with self._lock:
             self.compiled += 1
             self._cache[key] = grammar
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
+        if outcome is not None:
+            outcome("compiled", seconds)
         return grammar
 
     def _build(self, source: str) -> llguidance.LLMatcher:

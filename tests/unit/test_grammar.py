@@ -55,8 +55,11 @@ def test_apply_mask_sets_exactly_the_disallowed_logits_to_minus_inf():
 
 def test_compiled_grammars_are_cached_by_source_and_tokenizer():
     c = GrammarCompiler(map_tokenizer(tokenizer(), V))
-    a = c.compile(GrammarSpec("regex", "[0-9]{4}"))
-    assert c.compile(GrammarSpec("regex", "[0-9]{4}")) is a and (c.compiled, c.cache_hits) == (1, 1)
+    heard = []
+    a = c.compile(GrammarSpec("regex", "[0-9]{4}"), lambda *o: heard.append(o))
+    assert c.compile(GrammarSpec("regex", "[0-9]{4}"), lambda *o: heard.append(o)) is a
+    assert (c.compiled, c.cache_hits) == (1, 1) and [o[0] for o in heard] == ["compiled", "cache_hit"]
+    assert heard[0][1] > 0 and heard[1][1] is None
     assert c.compile(GrammarSpec("regex", "[0-9]{5}")) is not a
     # The same regex for another vocabulary size is another tokenizer: another entry in its own compiler.
     other = GrammarCompiler(map_tokenizer(tokenizer(), V + 32))
