@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import hashlib
 import json
 import threading
@@ -25,7 +26,6 @@ from typing import Any, Callable, Sequence
 
 import jsonschema
 import llguidance
-import llguidance.hf
 import torch
 
 from cluster import defaults as D
@@ -76,10 +76,17 @@ class GrammarSpec:
 
 
 def map_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face tokenizer whose model has ``vocab_size`` logits (ids past the
+    """llguidance's view of a Hugging Face fast tokenizer whose model has ``vocab_size`` logits (ids past the
     tokenizer's own vocabulary are never allowed)."""
     try:
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        backend = copy.copy(hf_tokenizer.backend_tokenizer)  # what llguidance.hf reads, without its padding
+        backend.no_padding()
+        backend.no_truncation()
+        spec = json.loads(backend.to_str())
+        # transformers' GGUF reader adds special tokens past the model's logits (``<|endoftext|>``): the model
+        # cannot emit them, so llguidance's view leaves them out and its masks are the logits' width.
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
+        return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=hf_tokenizer.eos_token_id)
     except Exception as exc:  # a slow tokenizer, or one whose vocabulary llguidance cannot read as bytes
         raise GrammarError(f"this deployment's tokenizer ({type(hf_tokenizer).__name__}) cannot be mapped for "
                            f"structured outputs: {exc}") from None

@@ -100,6 +100,19 @@ def test_choices_are_literal_strings():
     assert matcher_len and not matcher.consume(tok("maybe", add_special_tokens=False)["input_ids"])
 
 
+def test_a_gguf_files_tokenizer_maps_like_its_folders():
+    """transformers reads a GGUF file's vocabulary into a fast tokenizer: the grammar masks match the HF
+    folder's exactly."""
+    from runtime.models import load_tokenizer
+    from tests.fixtures_gguf import gguf_pair
+
+    spec = GrammarSpec("json_schema", PERSON)
+    from_gguf = GrammarCompiler(map_tokenizer(load_tokenizer(gguf_pair().target), V)).compile(spec).matcher()
+    from_folder = compiler().compile(spec).matcher()
+    text = tokenizer()('{"name": "Ada", "age": 36, "tags": []}', add_special_tokens=False)["input_ids"]
+    assert allowed(from_gguf, text) == allowed(from_folder, text)
+
+
 def test_a_tokenizer_llguidance_cannot_read_is_a_grammar_error():
     from transformers import PreTrainedTokenizer
 
