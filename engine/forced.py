@@ -41,22 +41,23 @@ def merge_forced(batch: ProposalBatch, forced: dict[int, list[int]]) -> Proposal
         shift[rows[seq_id]] = len(run)
     N = int((batch.lengths + shift).max())
     tokens = torch.zeros((B, N), dtype=torch.long)
-    q_ids = q_probs = None
-    if batch.q_ids is not None:  # a sampled batch: forced positions carry an explicit one-hot q
-        K = batch.q_ids.shape[-1]
-        q_ids = torch.zeros((B, N, K), dtype=torch.long)
-        q_probs = torch.zeros((B, N, K), dtype=torch.float32)
+    # q is written out even where the proposer sent none (one-hot on its drafts, what "no q" means): a
+    # sampled row with forced tokens is a drafted, sampled row, and such a row must carry q on the wire.
+    K = batch.q_ids.shape[-1] if batch.q_ids is not None else 1
+    q_ids = torch.zeros((B, N, K), dtype=torch.long)
+    q_probs = torch.zeros((B, N, K), dtype=torch.float32)
     for b in range(B):
         f, n = int(shift[b]), int(batch.lengths[b])
         tokens[b, f : f + n] = batch.tokens[b, :n]
-        if q_ids is not None:
+        if batch.q_ids is not None:
             q_ids[b, f : f + n], q_probs[b, f : f + n] = batch.q_ids[b, :n], batch.q_probs[b, :n]
+        else:
+            q_ids[b, f : f + n, 0], q_probs[b, f : f + n, 0] = batch.tokens[b, :n], 1.0
     for seq_id, run in forced.items():
         b, n = rows[seq_id], len(run)
         tokens[b, :n] = torch.tensor(run, dtype=torch.long)
-        if q_ids is not None:
-            q_ids[b, :n, 0] = tokens[b, :n]
-            q_probs[b, :n, 0] = 1.0
+        q_ids[b, :n, 0] = tokens[b, :n]
+        q_probs[b, :n, 0] = 1.0
     lengths = batch.lengths + shift
     return ProposalBatch(seq_ids=batch.seq_ids, tokens=tokens, lengths=lengths, q_ids=q_ids, q_probs=q_probs,
                          parents=None, resync=batch.resync, draft_seconds=batch.draft_seconds,

@@ -27,7 +27,8 @@ ray = pytest.importorskip("ray")
 from deployments.loopback import init_local_ray  # noqa: E402
 
 
-MAIN_APP_MODULES = ("test_openai_api.py", "test_openai_errors.py", "test_reliability_http.py")
+MAIN_APP_MODULES = ("test_openai_api.py", "test_openai_errors.py", "test_structured_outputs.py",
+                    "test_reliability_http.py")
 
 
 def pytest_collection_modifyitems(items):

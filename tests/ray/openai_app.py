@@ -29,6 +29,8 @@ MAX_BODY = 64 * 1024
 # short enough for test_reliability_http to see stalled bodies time out and overflow.
 MAIN_MAX_RUNNING, MAIN_MAX_QUEUE = 32, 128
 BODY_TIMEOUT_S, MAX_PENDING_BODIES = 6.0, 310
+# Small enough for test_structured_outputs to send a schema over it within the body limit.
+MAX_GRAMMAR_BYTES = 16 * 1024
 
 
 def assert_stages_refuse_malformed_frames(app_name: str) -> None:
@@ -138,7 +140,8 @@ def main_app() -> App:
         time.sleep(0.5)
     http_port.cache_clear()
     args = app_args(max_running=MAIN_MAX_RUNNING, max_queue=MAIN_MAX_QUEUE,
-                    http={"body_timeout_s": BODY_TIMEOUT_S, "max_pending_bodies": MAX_PENDING_BODIES})
+                    http={"body_timeout_s": BODY_TIMEOUT_S, "max_pending_bodies": MAX_PENDING_BODIES},
+                    structured={"max_grammar_bytes": MAX_GRAMMAR_BYTES})
     app = _apps["openai"] = deploy_app("openai", "/oa", args)
     return app
 

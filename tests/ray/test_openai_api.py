@@ -250,23 +250,3 @@ def test_disconnect_one_of_21_streams(app):
         time.sleep(0.2)
     assert all(e["slots_in_use"] == 0 for e in kv["verifier"] + kv["draft_pool"]), kv
 
-
-def test_structured_outputs_over_remote_stages(client):
-    """This app's stages are remote: the verify frames carry the grammar masks, the draft pool drafts unmasked
-    after each forced run. The greedy answers are valid (the local-stages app's tests:
-    tests/ray/test_structured_outputs.py)."""
-    import re
-
-    import jsonschema
-
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 10},
-                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Ada, 36, as JSON"}],
-                                       max_tokens=64, temperature=0, response_format={
-                                           "type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
-    assert r.choices[0].finish_reason == "stop" and r.model_extra["speculation"]["forced"] > 0
-    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    r = client.completions.create(model=MODEL, prompt="Today is", max_tokens=16, temperature=0,
-                                  extra_body={"structured_outputs": {"regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}})
-    assert r.choices[0].finish_reason == "stop" and re.fullmatch("20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.choices[0].text)

@@ -1,5 +1,6 @@
-"""Structured outputs over real HTTP (issue 31): the tiny pair served with local stages, asked through the
-official ``openai`` client with ``response_format`` (json_schema, json_object), ``client.beta.chat.completions
+"""Structured outputs over real HTTP (issue 31): the shared tiny-pair app (remote stages: the verify frames
+carry the grammar masks; local stages, where the draft masks its q too, are tested in process by
+tests/unit/test_structured_*.py), asked through the official ``openai`` client with ``response_format`` (json_schema, json_object), ``client.beta.chat.completions
 .parse`` with a pydantic model, and the ``structured_outputs`` extension (regex, choice), streaming and not.
 Every finished output is validated (``jsonschema``, the regex, the choice list); every bad grammar is a 400
 naming the field it came from, while a stream in flight keeps going."""
@@ -16,13 +17,11 @@ import openai
 import pydantic
 import pytest
 
-from tests.ray.openai_app import MODEL, app_args, deploy_app, openai_client
-from tests.ray.conftest import delete_app
+from tests.ray.openai_app import MAX_GRAMMAR_BYTES, MODEL, main_app, openai_client
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-APP = "structured"
-MAX_GRAMMAR_BYTES = 16 * 1024
+MAX_NEW = 200  # enough for every answer here to finish; the app's default is 32
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
           "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
                                                                                "maximum": 120},
@@ -41,10 +40,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def app(ray_cluster):
-    args = app_args(router={"stages": "local"}, structured={"max_grammar_bytes": MAX_GRAMMAR_BYTES},
-                    defaults={"temperature": 0.0, "max_tokens": 200})
-    yield deploy_app(APP, "/structured", args)
-    delete_app(APP)
+    return main_app()
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +55,27 @@ def person_format(schema=PERSON) -> dict:
 def test_json_schema_chat_and_completion_outputs_are_valid(client):
     for temperature in (0.0, 1.0):
         r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=person_format(),
-                                           temperature=temperature, seed=7)
+                                           temperature=temperature, seed=7, max_tokens=MAX_NEW)
         assert r.choices[0].finish_reason == "stop", r
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
         spec = r.model_extra["speculation"]
         assert spec["forced"] > 0 and spec["emitted"] == r.usage.completion_tokens
-    r = client.completions.create(model=MODEL, prompt="Record:", max_tokens=200,
+    r = client.completions.create(model=MODEL, prompt="Record:", max_tokens=MAX_NEW,
                                   extra_body={"response_format": person_format()})  # the client's own field is chat's
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
     r = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"},
-                                       max_tokens=200)
+                                       max_tokens=MAX_NEW)
     assert r.choices[0].finish_reason in ("stop", "length")  # an open object may outrun max_tokens
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_streamed_json_schema_is_the_same_valid_text(client):
-    whole = client.chat.completions.create(model=MODEL, messages=ASK, response_format=person_format())
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, response_format=person_format(),
+                                           max_tokens=MAX_NEW)
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, response_format=person_format(),
-                                                 stream=True))
+                                                 max_tokens=MAX_NEW, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and chunks[-1].choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text), PERSON)
@@ -87,7 +84,7 @@ def test_streamed_json_schema_is_the_same_valid_text(client):
 def test_parse_with_a_pydantic_model(client):
     for temperature in (0.0, 0.8):
         r = client.beta.chat.completions.parse(model=MODEL, messages=ASK, response_format=Person,
-                                               temperature=temperature, max_tokens=200)
+                                               temperature=temperature, max_tokens=MAX_NEW)
         parsed = r.choices[0].message.parsed
         assert isinstance(parsed, Person), r
         jsonschema.validate(json.loads(r.choices[0].message.content), Person.model_json_schema())
@@ -122,7 +119,7 @@ def test_bad_grammars_are_400s_while_a_stream_keeps_going(app):
     async def run():
         aclient = openai_client(app, asynchronous=True)
         stream = await aclient.chat.completions.create(model=MODEL, messages=ASK, response_format=person_format(),
-                                                       stream=True)
+                                                       max_tokens=MAX_NEW, stream=True)
         first = await stream.__anext__()
         async with httpx.AsyncClient(timeout=30) as http:
             answers = await asyncio.gather(*(http.post(app.v1 + "/chat/completions",
