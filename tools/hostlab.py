@@ -1,11 +1,17 @@
 """A host lab: N "hosts" on this machine, each a Linux network namespace with its own address and sshd.
 
-A host has its own network and its own process table (its sshd is the first process of a PID namespace, so
-what a session starts sees only that host's processes); the hosts share this machine's filesystem and users. They hang off
+A host has its own network, its own process table (its sshd is the first process of a PID namespace, so
+what a session starts sees only that host's processes), its own home directory (root's home is the lab's
+``<host>/home``, through a copy of ``/etc/passwd`` mounted in the host's mount namespace) and its own
+``/tmp/ray`` (Ray's session files: sockets, logs); otherwise the hosts share this machine's filesystem.
+``home_links`` puts the same symlinks in every home, standing for what a machine image would hold (an
+installed checkout at ``~/specserve``, say). They hang off
 a private bridge with no uplink, on a subnet of 198.18.0.0/15 (RFC 2544's benchmarking range, routed
 nowhere): by default 198.18.0.0/24, this machine's end of the bridge .1, the hosts .11, .12, ... A host's
-only route is to its lab subnet, with no default route, so nothing it sends can leave the lab; and a lab
-refuses a subnet this machine already routes elsewhere.
+default route points at .254, an address no one holds (the sink): software that finds "its" address by
+asking the kernel for a route to the internet (Ray does) gets the host's lab address, as on a real host,
+while a packet sent that way is never answered nor forwarded, so nothing a host sends can leave the lab. A
+lab refuses a subnet this machine already routes elsewhere.
 
 Everything a lab makes carries its prefix (default ``spec-lab``): the namespaces and the veths' ends on this
 machine (``spec-lab-h1`` ...), the bridge (``spec-lab-br``), the lab directory (``/tmp/spec-lab-XXXX``, 0700:
@@ -42,6 +48,7 @@ IFNAMSIZ = 15  # Linux interface names: at most 15 characters, so link names are
 # The lab's host keys are new each run, so they are not pinned; BatchMode: fail rather than prompt.
 SSH_OPTIONS = ("-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
                "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5")
+RAY_TMP = "/tmp/ray"  # Ray's default temp dir: each host mounts its own there
 NETEM_MISSING = "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): it cannot delay or drop packets"
 
 
@@ -53,6 +60,12 @@ class NetemUnavailable(RuntimeError):
 class Host:
     name: str  # the namespace's name, and that of its veth's end on this machine
     address: str
+
+
+def _with_home(passwd_line: str, home: Path) -> str:
+    fields = passwd_line.rstrip("\n").split(":")
+    fields[5] = str(home)
+    return ":".join(fields) + "\n"
 
 
 def missing_tools() -> list[str]:
@@ -173,14 +186,17 @@ def _check_subnet_free(subnet: ipaddress.IPv4Network) -> None:
 
 
 class HostLab:
-    def __init__(self, n: int = 3, prefix: str = PREFIX, net: int = 0, lock_timeout_s: float = 180):
+    def __init__(self, n: int = 3, prefix: str = PREFIX, net: int = 0, lock_timeout_s: float = 180,
+                 home_links: dict[str, Path] | None = None):
         if not 1 <= n <= 89:
             raise ValueError("1 to 89 hosts (addresses .11 to .99)")
         if len(f"{prefix}-h{n}") > IFNAMSIZ or len(f"{prefix}-br") > IFNAMSIZ:
             raise ValueError(f"prefix {prefix!r} too long for interface names ({IFNAMSIZ} characters)")
         self.prefix, self.net, self.lock_timeout_s = prefix, net, lock_timeout_s
+        self.home_links = dict(home_links or {})
         self.subnet = ipaddress.ip_network(f"198.18.{net}.0/24")  # net 0..255: all inside 198.18.0.0/15
         self.gateway = str(self.subnet[1])
+        self.sink = str(self.subnet[254])  # the hosts' default route: a neighbour that never answers
         self.bridge = f"{prefix}-br"
         self.hosts = [Host(f"{prefix}-h{i}", str(self.subnet[10 + i])) for i in range(1, n + 1)]
         self.dir: Path | None = None
@@ -243,9 +259,19 @@ class HostLab:
         _run("ip", "link", "set", ns, "master", self.bridge, "up")
         _run("ip", "-n", ns, "link", "set", "lo", "up")
         _run("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        _run("ip", "-n", ns, "link", "set", "eth0", "up")  # the /24's own route is the only route: no default
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", self.sink, "dev", "eth0")
         hdir = self.dir / ns
         hdir.mkdir(mode=0o700)
+        home = hdir / "home"
+        home.mkdir(mode=0o700)
+        (home / ".bashrc").touch()  # as /etc/skel gives a user: Ray's launcher sources it in every command
+        for name, target in self.home_links.items():
+            (home / name).symlink_to(target)  # a symlink, not a mount: removing the lab never enters it
+        (hdir / "ray").mkdir(mode=0o700)
+        (hdir / "passwd").write_text("".join(
+            _with_home(line, home) if line.startswith("root:") else line
+            for line in Path("/etc/passwd").read_text().splitlines(keepends=True)))
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", ns, "-f", str(hdir / "host_key"))
         (hdir / "sshd_config").write_text("\n".join([
             f"ListenAddress {host.address}:22",
@@ -281,6 +307,10 @@ class HostLab:
         name = host.name if isinstance(host, Host) else host
         return next(h for h in self.hosts if h.name == name)
 
+    def home(self, host: Host | str) -> Path:
+        """The host's home directory (root's, as its sessions see it), a path on this machine too."""
+        return self.dir / self.host(host).name / "home"
+
     def exec(self, host: Host | str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """Run ``argv`` inside the host's namespace (as root, on this machine's filesystem)."""
         return _run("ip", "netns", "exec", self.host(host).name, *argv, check=False, timeout=timeout)
@@ -307,8 +337,13 @@ class HostLab:
         # the first process of a PID namespace of its own, so what a session starts sees only its host's
         # processes: `ray stop` in a host's start commands must not stop the other hosts' Ray. --kill-child:
         # when unshare dies, so does sshd, and with it everything in the namespace.
+        # Its mount namespace (private: nothing mounted there shows on this machine) gets the host's passwd,
+        # so root's home is the host's own, and the host's own /tmp/ray.
+        os.makedirs(RAY_TMP, exist_ok=True)  # the mount point
+        mounts = f"mount --bind {hdir / 'passwd'} /etc/passwd && mount --bind {hdir / 'ray'} {RAY_TMP}"
         self._sshd[host.name] = proc = subprocess.Popen(
             ["ip", "netns", "exec", host.name, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+             "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sshd",
              SSHD, "-D", "-e", "-f", str(hdir / "sshd_config")],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def ping(lab, src, dst, count=1, wait_s=1, interval_s=0.2) -> subprocess.CompletedProcess:
     return lab.exec(src, ["ping", "-n", "-q", "-c", str(count), "-i", str(interval_s), "-W", str(wait_s),
-                          dst.address])
+                          getattr(dst, "address", dst)])
 
 
 def min_rtt_ms(lab, src, dst, count=5) -> float:
@@ -75,8 +75,11 @@ def test_ssh_lands_on_the_host_and_the_host_sees_only_the_lab(lab):
         assert out.returncode == 0, out.stderr
         addrs, routes = out.stdout.split("---\n")
         assert set(re.findall(r"inet (\S+)", addrs)) == {"127.0.0.1/8", f"{host.address}/24"}
-        # One route, to the lab's /24, and no default: nothing the host sends can leave the lab.
-        assert [line.split()[0] for line in routes.splitlines()] == [str(lab.subnet)]
+        # The lab's /24 and a default route to the sink, an address no one holds: a host finds its own
+        # address as a real one does, and nothing it sends can leave the lab.
+        assert sorted(line.strip() for line in routes.splitlines()) == sorted([f"default via {lab.sink} dev eth0",
+                                                       f"{lab.subnet} dev eth0 proto kernel scope link src {host.address}"])
+        assert ping(lab, host, lab.sink).returncode != 0
 
 
 def test_ssh_config_works_with_ssh_F(lab):
@@ -176,10 +179,10 @@ def test_two_hosts_form_one_ray_cluster_with_token_auth(lab, tmp_path):
     env = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token} RAY_USAGE_STATS_ENABLED=0;"
     gcs = f"{head.address}:6379"
     try:
-        started = lab.ssh(head, f"{env} {ray} start --head --node-ip-address={head.address} --port=6379 "
+        started = lab.ssh(head, f"{env} {ray} start --head --port=6379 "
                                 "--include-dashboard=false --num-cpus=1 --disable-usage-stats", timeout=120)
         assert started.returncode == 0, started.stdout + started.stderr
-        joined = lab.ssh(worker, f"{env} {ray} start --address={gcs} --node-ip-address={worker.address} "
+        joined = lab.ssh(worker, f"{env} {ray} start --address={gcs} "
                                  "--num-cpus=1 --resources='{\"specserve_draft\": 1}' --disable-usage-stats",
                          timeout=120)
         assert joined.returncode == 0, joined.stdout + joined.stderr
