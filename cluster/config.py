@@ -427,6 +427,11 @@ class RouterSpec(_Spec):
 class HttpSpec(_Spec):
     host: str = Field("127.0.0.1", min_length=1, description="Address the OpenAI-compatible HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server binds.")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode",
+        description="Where Ray Serve runs the HTTP proxy in a Serve config rendered from this file: on every "
+        "node (a load balancer in front spreads clients over them) or on the head node only.",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="Bearer key clients must send, inline; never shown in repr. Prefer api_key_file: an inline "

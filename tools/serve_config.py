@@ -47,7 +47,7 @@ def serve_config(cfg: ClusterConfig, *, app_name: str = APP_NAME) -> dict[str, A
         raise RenderError("http.api_key: would be written in clear into the Serve config; use http.api_key_file "
                           "(a file on every node, read by the ingress replica only) instead")
     return {
-        "proxy_location": "EveryNode",
+        "proxy_location": cfg.http.proxy_location,
         "http_options": {"host": cfg.http.host, "port": cfg.http.port},
         "applications": [{
             "name": app_name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from cluster.config import ClusterConfig
 from cluster.placement import (ACCELERATOR_PREFIX, REFERENCE_NODES, NodeType, check_fits, role_resources,
                                sizing_markdown)
 from deployments.serve_schema import IMPORT_PATH, validate_serve_config
+from tools.ray_launch import SHIPPED, render
 from tools.serve_config import IMPORT_PATH as RENDERED_IMPORT_PATH
 from tools.serve_config import RENDERED, render_file
 
@@ -32,6 +34,7 @@ LAUNCH = REPO / "cluster" / "launch"
 # launch file → the ClusterConfig it deploys (through the Serve config rendered from it)
 LAUNCH_FILES = {
     "reference-4xh200.yaml": "cluster/examples/h200.yaml",
+    "on-prem-h200.yaml": "cluster/examples/h200.yaml",
     "single-node.yaml": "cluster/examples/single-node.yaml",
 }
 
@@ -127,6 +130,23 @@ def test_launch_file_deploys_its_current_serve_config(name: str) -> None:
     assert validate_serve_config(text) == []
     args = yaml.safe_load(text)["applications"][0]["args"]
     assert ClusterConfig.from_dict(args) == ClusterConfig.from_yaml(REPO / config)
+
+
+def test_launch_files_are_what_the_renderer_writes() -> None:
+    assert {f"cluster/launch/{name}" for name in LAUNCH_FILES} == set(SHIPPED)
+    for path, spec in SHIPPED.items():
+        assert (REPO / path).read_text(encoding="utf-8") == render(spec), f"{path} is stale: run scripts/render_launch.py"
+
+
+def test_on_prem_workers_pick_their_role_resources_by_address(tmp_path) -> None:
+    """The local provider gives every worker one start command; each host's own addresses choose its roles."""
+    start = next(c for c in load("on-prem-h200.yaml")["worker_start_ray_commands"] if "ray start" in c)
+    cases = start[start.index("case "):start.index("esac") + len("esac")] + "\n"  # the `case` that sets RES
+    for addresses, want in (("192.0.2.12", {"specserve_target": 8}), ("10.1.1.1 192.0.2.22", {"specserve_draft": 4}),
+                            ("192.0.2.120", {}), ("192.0.2.1", {})):
+        script = cases.replace("$(hostname -I)", addresses) + 'printf %s "$RES"'
+        out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == want, (addresses, out)
 
 
 def test_renderer_and_validator_name_the_same_app() -> None:
