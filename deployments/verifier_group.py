@@ -8,8 +8,9 @@ Contract:
 - ``relay`` / ``submit_relay`` send the verifier deployment's wire frame (``runtime.wire``; nothing is
   pickled) as it came to every rank (``verify`` encodes one first, for in-process callers), in the same
   order for every rank (submission happens under one lock), and return rank 0's outcome: one Ray Compiled
-  Graph feeds every rank's ``call`` from one input (``deployments.transport.links.WorkerLink``; releases
-  travel the same way, in order). The ranks' outcomes are compared; a disagreement (never expected: the
+  Graph feeds every rank's ``call`` from one input when the ranks share a node
+  (``deployments.transport.links.WorkerLink``), plain actor calls when they do not (``RankCallLink``);
+  releases travel the same way, in order. The ranks' outcomes are compared; a disagreement (never expected: the
   logits are all-reduced) releases the rows concerned on every rank, so that they are re-prefilled through
   ``resync``.
 - A rank that dies or hangs (``RayActorError`` / no answer within ``verify_timeout_s``) takes the whole
@@ -44,7 +45,7 @@ from runtime import wire
 from cluster.node import cpu_cores
 from cluster.placement import resource_bundle
 from cluster.threads import resolve_threads
-from deployments.transport.links import WorkerLink
+from deployments.transport.links import RankCallLink, WorkerLink
 from deployments.replica_process import check_memory, configure_process, model_process_env, use_threads
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from verifier.verify import AcceptanceConfig
@@ -162,7 +163,7 @@ class VerifierRankActor:
         if spec.tp_size > 1:
             dist = DistConfig(rank=self.rank, world_size=spec.tp_size, master_addr=master_addr,
                               master_port=master_port, backend=spec.backend, timeout_s=spec.dist_timeout_s,
-                              cpu_shm_allreduce=spec.cpu_shm_allreduce)
+                              cpu_shm_allreduce=spec.cpu_shm_allreduce, local_addr=ray.util.get_node_ip_address())
         self.tp = TPVerifierRank(spec.model, dist, device=spec.rank_device, dtype=spec.dtype,
                                  max_slots=spec.max_slots, max_len=spec.max_len, kv_bucket=spec.kv_bucket,
                                  acceptance=spec.acceptance, threads=threads, tp_grain_size=spec.tp_grain_size,
@@ -204,7 +205,7 @@ class VerifierGroup:
     def __init__(self, spec: GroupSpec, *, start: bool = True):
         self.spec = spec
         self.tp_size = spec.tp_size
-        self._link: WorkerLink | None = None  # one compiled graph feeding every rank
+        self._link: WorkerLink | RankCallLink | None = None  # feeds every rank: a compiled graph on one node
         self._lock = threading.RLock()
         self.actors: list = []
         self.rank_info: list[dict] = []
@@ -279,7 +280,9 @@ class VerifierGroup:
         except (RayActorError, GetTimeoutError) as exc:
             raise VerifierGroupError(f"verifier group failed to start: {exc}") from exc
         self.limits = spec.wire_limits(self.rank_info[0]["vocab_size"])
-        self._link = WorkerLink(f"verifier group {self.generation}", self.actors)
+        key = f"verifier group {self.generation}"
+        nodes = {info["node"] for info in self.rank_info}
+        self._link = WorkerLink(key, self.actors) if len(nodes) == 1 else RankCallLink(key, self.actors)
 
     def _teardown(self, graceful: bool = False) -> None:
         link, self._link = self._link, None
@@ -343,8 +346,9 @@ class VerifierGroup:
                     log.warning("verifier group release: %s", exc)
 
     def health(self, timeout_s: float = 10.0) -> dict:
-        with self._lock:
-            actors, generation = list(self.actors), self.generation
+        # No lock: a verify being sent holds it for as long as the ranks take, and Serve's health check
+        # must not wait behind that. A rebuild swaps ``actors`` whole, so this reads one generation's list.
+        actors, generation = list(self.actors), self.generation
         if not actors:
             raise VerifierGroupError("the verifier group is not running")
         try:

@@ -27,6 +27,7 @@ import ipaddress
 import os
 import resource
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,6 +66,7 @@ class DistConfig:
     local_rank: int = 0  # CUDA device index on this node (0 when Ray gives each rank one visible GPU)
     timeout_s: float = 300.0  # a collective whose peer is gone fails after this long
     cpu_shm_allreduce: bool = False  # use DeepSpeed's /dev/shm all-reduce on CPU (JIT build, see module doc)
+    local_addr: str | None = None  # this rank's node address as its peers reach it (the cluster's node IP)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -105,6 +107,23 @@ def node_address() -> str:
     return "127.0.0.1" if ipaddress.ip_address(addr).is_unspecified else addr
 
 
+def interface_of(addr: str) -> str | None:
+    """The network interface holding IPv4 address ``addr`` on this host, or None (not found; not Linux)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address, at bytes 20..24 of the ifreq it fills
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == addr:
+            return name
+    return None
+
+
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -130,6 +149,12 @@ def init_distributed(dist: DistConfig, device: torch.device) -> str:
     backend = dist.backend or default_backend(device)
     os.environ.update(MASTER_ADDR=dist.master_addr, MASTER_PORT=str(dist.master_port), RANK=str(dist.rank),
                       WORLD_SIZE=str(dist.world_size), LOCAL_RANK=str(dist.local_rank))
+    # Gloo (and NCCL's socket bootstrap) otherwise pick the interface the host name resolves to, which can be
+    # loopback or one the peers cannot reach (ranks on two hosts then never connect); the interface holding
+    # the node's cluster address is the one they reach. An operator's own setting wins.
+    if dist.local_addr and (ifname := interface_of(dist.local_addr)):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     deepspeed = _import_deepspeed(device)
     if device.type == "cpu":
         _configure_cpu_allreduce(deepspeed, dist)

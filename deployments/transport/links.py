@@ -8,6 +8,10 @@ sends a release, ordered with the link's calls, whose answer nobody waits for.
   (``worker`` a list: each rank takes every call, one reply per rank), whose channel the worker's loop is
   already reading. Up to ``MAX_INFLIGHT`` executions are outstanding: two micro-batches' calls plus the
   releases not yet read.
+- ``RankCallLink``: every rank of a tensor-parallel group through plain actor calls (one reply per rank), for
+  a group whose ranks sit on several nodes: there a compiled graph's channels stalled under pipelined calls
+  (Ray 2.60 in the host lab: an execution's buffers never freed while the ranks sat idle; docs/platform.md).
+  A rank runs its calls one at a time in the order one caller submitted them, as the group needs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,33 @@ class HandleReply:
 
     def cancel(self) -> None:
         self.response.cancel()
+
+
+class RankCallLink:
+    kind = "actors"
+
+    def __init__(self, key: str, ranks: list):
+        self.key, self.ranks = key, ranks
+
+    def send(self, call: bytes) -> list["ActorReply"]:
+        return [ActorReply(rank.call.remote(call)) for rank in self.ranks]
+
+    def release(self, call: bytes, timeout_s: float) -> None:
+        for rank in self.ranks:
+            rank.call.remote(call)
+
+    def close(self) -> None:
+        pass  # nothing of its own: the ranks go with the group
+
+
+class ActorReply:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def get(self, timeout: float) -> bytes:
+        import ray
+
+        return ray.get(self.ref, timeout=timeout)  # GetTimeoutError is a TimeoutError
 
 
 class WorkerLink:

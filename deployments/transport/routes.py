@@ -44,11 +44,12 @@ class StageLiveness:
     def __init__(self, name: str):
         self.name = name
         self._lock = threading.Lock()
-        now = time.monotonic()
-        self.up = True  # the deployment was RUNNING (every replica healthy) before the router started
-        self.since = now
-        self.reason: str | None = None
-        self.last_ok = now
+        # Down until a replica first answers: `serve deploy` starts an app's deployments together, so the
+        # router may be up before any stage replica is (on a cluster, before the hosts for them have joined).
+        self.up = False
+        self.since = time.monotonic()
+        self.reason: str | None = "no replica has answered yet"
+        self.last_ok: float | None = None
         self.last_failure = -math.inf
         self.outages = 0
 
@@ -58,7 +59,8 @@ class StageLiveness:
                 return
             self.last_ok = time.monotonic()
             if not self.up:
-                log.warning("%s is back after %.2f s down", self.name, self.last_ok - self.since)
+                if self.outages:
+                    log.warning("%s is back after %.2f s down", self.name, self.last_ok - self.since)
                 self.up, self.since, self.reason = True, self.last_ok, None
 
     def failed(self, reason: str) -> None:
@@ -68,6 +70,8 @@ class StageLiveness:
                 log.warning("%s is down: %s", self.name, reason)
                 self.up, self.since, self.reason = False, self.last_failure, reason
                 self.outages += 1
+            elif self.last_ok is None:
+                self.reason = f"no replica has answered yet ({reason})"
 
     def down_since(self, t: float) -> bool:
         """Marked down at or after monotonic time ``t`` (and still down)."""
@@ -78,7 +82,8 @@ class StageLiveness:
         with self._lock:
             now = time.monotonic()
             return {"up": self.up, "for_s": round(now - self.since, 3), "reason": self.reason,
-                    "last_ok_s_ago": round(now - self.last_ok, 3), "outages": self.outages}
+                    "last_ok_s_ago": None if self.last_ok is None else round(now - self.last_ok, 3),
+                    "outages": self.outages}
 
 
 class StageProber:

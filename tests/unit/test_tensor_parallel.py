@@ -27,7 +27,7 @@ from runtime.models import noisy_copy, tiny_llama
 from runtime.protocol import SamplingParams, SyncItem
 from runtime.runner import ModelRunner
 from verifier.tensor_parallel import (DistConfig, TensorParallelError, TPVerifierRank, check_tp_divides,
-                                      cpu_shm_op_built, free_port, linear_weight_numel, load_target,
+                                      cpu_shm_op_built, free_port, interface_of, linear_weight_numel, load_target,
                                       shm_segment, tp_grain_size_for)
 from verifier.verify import VerifyStage
 
@@ -199,3 +199,9 @@ def test_grain_size_keeps_tiny_models_even():
 def test_rendezvous_refuses_wildcard_addresses(addr):
     with pytest.raises(ValueError):
         DistConfig(rank=0, world_size=2, master_addr=addr, master_port=29500)
+
+
+def test_interface_of_finds_the_interface_holding_an_address():
+    # init_distributed points gloo at this interface: the one peers on other hosts reach the rank through.
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: held by no interface here
