@@ -1,0 +1,159 @@
+"""specserve brought up with the unchanged ``ray up`` on namespace hosts (``tools.lab_cluster``): a head, two
+"target" hosts holding one rank each of the tensor-parallel verifier (gloo across the lab network), a
+"draft" host holding the draft pool, and an outsider host on the same bridge that is not in the cluster.
+
+The cluster file comes from ``tools.ray_launch.on_prem``, which renders the shipped on-prem file too, so
+the hosts run the shipped set-up and start commands. Checks: ``ray up`` / ``ray down`` exit 0; actors sit
+on the hosts their role resources name; 200 requests over HTTP with the official ``openai`` client
+(greedy and sampled with a seed, streaming and not) return what the in-process engine returns for the same
+config; from the outsider, the Ray ports answer but nothing gets in without the token, and the HTTP API
+answers 401 without the key. One cluster for the module: bringing it up costs about two minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.lab.conftest import lab_skip_reason
+from tools.hostlab import HostLab
+from tools.lab_cluster import LabCluster, RAY_CLI
+
+pytestmark = pytest.mark.timeout(1200)
+
+PREFIX, NET = "spec-t5", 5
+PROMPTS = 50  # × 4 ways of asking = 200 requests
+MAX_TOKENS = 16
+SEED = 2024
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if reason := lab_skip_reason(PREFIX):
+        pytest.skip(reason)
+    lab = HostLab(5, prefix=PREFIX, net=NET, home_links=LabCluster.HOME_LINKS).start()
+    try:
+        c = LabCluster(lab, targets=2, drafts=1)
+        t0 = time.monotonic()
+        up = c.up()
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        c.wait_healthy(600)
+        c.up_s = time.monotonic() - t0
+        print(f"ray up to healthy: {c.up_s:.0f} s")
+        yield c
+        down = c.down()
+        assert down.returncode == 0, down.stdout[-4000:] + down.stderr[-4000:]
+        # `ray down` ran `ray stop` on the head in a login shell: it found the checkout's Ray on the PATH
+        # the set-up commands gave that shell.
+        assert "raylet" not in lab.ssh(c.head, "ps -eo comm").stdout
+    finally:
+        lab.close()
+
+
+def test_ray_up_places_each_role_on_its_hosts(cluster):
+    nodes = cluster.node_hosts()
+    members = [cluster.head, *cluster.targets, *cluster.drafts]
+    assert set(nodes) == {h.address for h in members}, nodes
+    for h in cluster.targets:
+        assert nodes[h.address].get("specserve_target") == 1
+    for h in cluster.drafts:
+        assert nodes[h.address].get("specserve_draft") == 1
+    actors = cluster.actor_hosts()
+    ranks = actors["VerifierRankActor"]
+    assert sorted(ranks) == sorted(h.address for h in cluster.targets), actors  # one rank on each target host
+    assert set(actors["ServeReplica:specserve:DraftPool"]) <= {h.address for h in cluster.drafts}, actors
+    assert set(actors["ProxyActor"]) == {cluster.head.address}, actors  # http.proxy_location: HeadOnly
+
+
+def _reference(cluster, prompt_ids: list[list[int]], sampled: bool) -> list[list[int]]:
+    from deployments.settings import engine_settings
+    from engine.assembly import make_engine
+    from engine.engine import Request
+    from runtime.models import load_tokenizer
+    from runtime.protocol import SamplingParams
+
+    tok = load_tokenizer(cluster.cfg.target.path)
+    settings = dataclasses.replace(engine_settings(cluster.cfg), micro_batches=1)
+    engine = make_engine(settings, eos_token_ids=[tok.eos_token_id])
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=SEED) if sampled else SamplingParams()
+    return [list(o.tokens) for o in engine.generate([Request(tuple(p), max_tokens=MAX_TOKENS, sampling=sampling)
+                                               for p in prompt_ids])]
+
+
+def test_200_requests_match_the_in_process_engine(cluster):
+    from evaluation.scenarios import load_prompts
+    from runtime.models import load_tokenizer
+
+    tok = load_tokenizer(cluster.cfg.target.path)
+    prompts = [p["prompt"] for name in ("json", "code", "prose") for p in load_prompts(name, 17)][:PROMPTS]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    want = {False: _reference(cluster, ids, sampled=False), True: _reference(cluster, ids, sampled=True)}
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=cluster.api_key, max_retries=0, timeout=120)
+
+    def ask(job: tuple[int, bool, bool]) -> tuple[list[int] | str, str]:
+        i, sampled, stream = job
+        kw = dict(model=cluster.cfg.http.model_name, prompt=prompts[i], max_tokens=MAX_TOKENS,
+                  temperature=1.0 if sampled else 0.0, **({"top_p": 0.9, "seed": SEED} if sampled else {}))
+        if stream:
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)), "stream"
+        r = client.completions.create(extra_body={"return_token_ids": True}, **kw)
+        return r.choices[0].model_extra["token_ids"], "unary"
+
+    jobs = [(i, sampled, stream) for i in range(PROMPTS) for sampled in (False, True) for stream in (False, True)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, jobs))
+    elapsed = time.monotonic() - t0
+    wrong = []
+    for (i, sampled, stream), (got, _) in zip(jobs, answers):
+        expected = want[sampled][i]
+        if (tok.decode(expected, skip_special_tokens=True) if stream else expected) != got:
+            wrong.append((i, sampled, stream, got, expected))
+    print(f"{len(jobs)} requests in {elapsed:.1f} s, {len(wrong)} differ")
+    assert len(jobs) == 200 and not wrong, wrong[:3]
+
+
+def _from_outsider(cluster, command: str, timeout_s: float = 90):
+    """``command`` in the outsider host's namespace, with the checkout's Ray and no token of the cluster's."""
+    return cluster.lab.exec(cluster.outsiders[0], ["sh", "-c", command], timeout=timeout_s)
+
+
+def test_an_outsider_reaches_the_ports_but_nothing_without_the_token_and_key(cluster, tmp_path):
+    head = cluster.head.address
+    probe = ("python3 -c \"import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5); "
+             "print('open')\"")
+    assert "open" in _from_outsider(cluster, f"{probe} {head} 6379").stdout  # the GCS port answers...
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    # ...but a GCS attach with another token, or with none, is refused
+    for env in (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={wrong}", "RAY_AUTH_MODE=disabled"):
+        out = _from_outsider(cluster, f"{env} timeout 60 {RAY_CLI} status --address={head}:6379")
+        assert out.returncode != 0 and "specserve_target" not in out.stdout, out.stdout + out.stderr
+    # The dashboard (job submission, `serve deploy`) listens on the head's loopback only.
+    assert "open" not in _from_outsider(cluster, f"{probe} {head} 8265").stdout
+    serve_cli = RAY_CLI.replace("/ray", "/serve")
+    out = _from_outsider(cluster, f"timeout 60 {serve_cli} deploy --address http://{head}:8265 "
+                                  f"{cluster.dir / 'serve.yaml'}")
+    assert out.returncode != 0
+    # The HTTP API: open to the network, closed without the key.
+    http = ("python3 -c \"import sys,urllib.request as u\n"
+            "try: u.urlopen(u.Request(sys.argv[1])); print(200)\n"
+            "except Exception as e: print(getattr(e, 'code', e))\"")
+    assert _from_outsider(cluster, f"{http} {cluster.base_url}/v1/models").stdout.strip() == "401"
+    assert cluster.get("/v1/models")[0] == 200
+
+
+def test_cluster_hosts_listen_only_on_their_lab_address_and_loopback(cluster):
+    for host in [cluster.head, *cluster.targets, *cluster.drafts]:
+        out = cluster.lab.exec(host, ["ss", "-ltnH"])
+        addrs = {line.split()[3].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")  # IPv4-mapped
+                 for line in out.stdout.splitlines()}
+        # A host's namespace has only its lab interface and loopback, so a wildcard means those two.
+        assert addrs <= {host.address, "127.0.0.1", "0.0.0.0", "*", "::", "::1"}, (host, addrs)
+        assert host.address in addrs
