@@ -52,9 +52,13 @@ def _masked_law(model, logits: torch.Tensor,  # [R, V]
     return warp_probs(apply_mask(logits, masks).unsqueeze(1), t, k, p)[:, 0].double()
 
 
-def exact_joint(model, params: SamplingParams) -> torch.Tensor:  # [V, V]: P(first = a, second = b)
-    """The target alone, constrained: p(a | prompt) · p(b | prompt + a), each masked by the grammar then warped."""
-    matcher = compiler().compile(REGEX).matcher()
+def exact_joint(model, params: SamplingParams, spec: GrammarSpec = REGEX, lead: tuple[int, ...] = ()
+                ) -> torch.Tensor:  # [V, V]: P(first = a, second = b) after the prompt and ``lead``
+    """The target alone, constrained: p(a | prompt) · p(b | prompt + a), each masked by the grammar then warped
+    (after ``lead``, the tokens the grammar forces first, when given)."""
+    matcher = compiler().compile(spec).matcher()
+    assert matcher.consume(lead)
+    context = prompt() + lead
     first_mask = allow_all(1, V)
     matcher.fill_mask(first_mask)
     second_masks = allow_all(V, V)  # rows of refused first tokens are never weighted: p0 is 0 there
@@ -63,8 +67,8 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:  # [V, V]: P(fir
         matcher.fill_mask(second_masks[a : a + 1])
         matcher.rollback(1)
     with torch.no_grad():
-        first = model(torch.tensor([prompt()])).logits[:, -1]
-        second = model(torch.tensor([prompt() + (a,) for a in range(V)])).logits[:, -1]
+        first = model(torch.tensor([context])).logits[:, -1]
+        second = model(torch.tensor([context + (a,) for a in range(V)])).logits[:, -1]
     p0 = _masked_law(model, first, first_mask, params)[0]
     p1 = _masked_law(model, second, second_masks, params)
     return p0.unsqueeze(1) * p1
@@ -95,14 +99,16 @@ class UnmaskedRatio:
         self.proposer.release(seq_ids)
 
 
-def sample_pairs(engine, params: SamplingParams, seed0: int) -> torch.Tensor:  # [NUM_SEQS] a * V + b
-    grammar = compiler().compile(REGEX)
-    reqs = [Request(prompt(), max_tokens=3, grammar=grammar,
+def sample_pairs(engine, params: SamplingParams, seed0: int, spec: GrammarSpec = REGEX, lead: tuple[int, ...] = ()
+                 ) -> torch.Tensor:  # [NUM_SEQS] a * V + b: the two tokens after ``lead``
+    grammar = compiler().compile(spec)
+    n = len(lead)
+    reqs = [Request(prompt(), max_tokens=n + 3, grammar=grammar,
                     sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed0 + i))
             for i in range(NUM_SEQS)]
     outs = engine.generate(reqs)
-    assert all(len(o.tokens) == 3 for o in outs)
-    return torch.tensor([o.tokens[0] * V + o.tokens[1] for o in outs])
+    assert all(len(o.tokens) == n + 3 and o.tokens[:n] == lead for o in outs)
+    return torch.tensor([o.tokens[n] * V + o.tokens[n + 1] for o in outs])
 
 
 CASES = [  # (name, sampling, the draft's q_top_k: None = dense q)
@@ -123,6 +129,20 @@ def test_constrained_speculative_sampling_is_the_masked_targets_law(name, params
     assert chi2_pvalue(pairs // V, joint.sum(1)) > P_MIN  # first token
     assert chi2_pvalue(pairs % V, joint.sum(0)) > P_MIN  # second token
     assert chi2_pvalue(pairs, joint.flatten()) > P_MIN  # the pair
+
+
+def test_a_forced_run_and_the_drafts_after_it_keep_the_law():
+    """The grammar forces "x" first: the engine proposes it (one-hot q) and the draft drafts two tokens after it,
+    all verified in one pass; the two tokens after the forced one follow the masked target's law."""
+    target, draft = pair()
+    spec, lead = GrammarSpec("regex", "x[xqzjvkw]{3}"), (tokenizer().convert_tokens_to_ids("x"),)
+    assert compiler().compile(spec).matcher().forced_tokens() == list(lead)
+    params = CASES[0][1]
+    engine = make_engine(target, DraftModelProposer(draft, max_slots=SLOTS, max_len=32), gamma=4, max_slots=SLOTS,
+                         max_len=32)
+    pairs = sample_pairs(engine, params, seed0=3000, spec=spec, lead=lead)
+    assert engine.stats.forced == NUM_SEQS and 0.1 < engine.stats.acceptance_rate < 0.9
+    assert chi2_pvalue(pairs, exact_joint(target, params, spec, lead).flatten()) > P_MIN
 
 
 def test_unmasked_q_in_the_ratio_is_rejected():
