@@ -99,8 +99,9 @@ class DraftModelProposer:
         sampled = any(not s.greedy for s in params)
         branches = [items[b].branch for b in active]
         matchers = [items[b].matcher for b in active]
-        nodes = 0 if any(branches) or any(m is not None for m in matchers) else (self.tree_budget(len(active), G, sampled) if self.tree_budget
-                                         else self.tree_nodes)
+        constrained = any(m is not None for m in matchers)
+        nodes = 0 if any(branches) or constrained else (self.tree_budget(len(active), G, sampled) if self.tree_budget
+                                                        else self.tree_nodes)
         # A forced run is fed with the committed tail, so the chain is drafted after it.
         prefixes = [list(items[b].forced) for b in active]
         first = self.runner.forward([seq_ids[b] for b in active], prefixes, [1] * len(active))[:, 0]
@@ -113,9 +114,10 @@ class DraftModelProposer:
         K = (self.q_top_k or self.vocab_size) if sampled else 0
         states = [self.runner.seqs[seq_ids[b]] for b in active]
         t_loop = time.perf_counter()
-        masks = DraftMasks(matchers, self.vocab_size, prefixes) if any(m is not None for m in matchers) else None
-        out = self._draft_loop(first, [s.slot for s in states], [len(s.tokens) + len(p) for s, p in zip(states, prefixes)],
-                               [gammas[b] for b in active], params, G, K, branches, masks)
+        masks = DraftMasks(matchers, self.vocab_size, prefixes) if constrained else None
+        positions = [len(s.tokens) + len(p) for s, p in zip(states, prefixes)]  # each row's first draft
+        out = self._draft_loop(first, [s.slot for s in states], positions, [gammas[b] for b in active], params, G, K,
+                               branches, masks)
         tokens, lengths, fed, *q = fetch(*out)  # the step's one read back
         fed_list = fed.tolist()
         for state, row, n in zip(states, tokens.tolist(), fed_list):

@@ -22,9 +22,9 @@ Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher
 tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
 logits with the γ + 1 masks filled here from the proposal (``VerifyItem.mask``), so acceptance compares the
 masked p with the masked q and the law served is the target's masked one (docs/design.md, "Structured
-outputs"). Where the grammar forces a run of tokens, the engine proposes that run itself instead of the draft
-(``engine/forced.py``). A constrained sequence ends with "stop" once its grammar is accepting with no
-continuation.
+outputs"). Where the grammar forces a run of tokens, the engine proposes that run itself and the draft
+drafts after it (``engine/forced.py``). A constrained sequence ends with "stop" once its grammar is accepting
+with no continuation.
 """
 
 from __future__ import annotations

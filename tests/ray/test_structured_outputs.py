@@ -1,7 +1,8 @@
 """Structured outputs over real HTTP (issue 31): the shared tiny-pair app (remote stages: the verify frames
 carry the grammar masks; local stages, where the draft masks its q too, are tested in process by
-tests/unit/test_structured_*.py), asked through the official ``openai`` client with ``response_format`` (json_schema, json_object), ``client.beta.chat.completions
-.parse`` with a pydantic model, and the ``structured_outputs`` extension (regex, choice), streaming and not.
+tests/unit/test_structured_*.py), asked through the official ``openai`` client with ``response_format``
+(json_schema, json_object), ``client.beta.chat.completions.parse`` with a pydantic model, and the
+``structured_outputs`` extension (regex, choice), streaming and not.
 Every finished output is validated (``jsonschema``, the regex, the choice list); every bad grammar is a 400
 naming the field it came from, while a stream in flight keeps going."""
 

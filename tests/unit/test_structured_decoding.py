@@ -19,7 +19,8 @@ from tests.unit.helpers import make_engine
 
 MAX_NEW = 40
 PROMPTS = ["Please convert the following record to JSON:", "The quick brown fox", "def add(a, b):"]
-GRAMMARS = {"person": GrammarSpec("json_schema", PERSON), "date": GrammarSpec("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+GRAMMARS = {"person": GrammarSpec("json_schema", PERSON),
+            "date": GrammarSpec("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
             "choice": GrammarSpec("choice", ["yes", "no", "maybe later"])}
 
 
@@ -93,8 +94,9 @@ def test_a_finished_grammar_stops_and_max_tokens_stays_length():
     target, draft_model = models()
     engine = make_engine(target, draft_model, gamma=4, max_len=256)
     choice = compiler().compile(GRAMMARS["choice"])
+    person = compiler().compile(GRAMMARS["person"])
     done, cut = engine.generate([Request(ids(PROMPTS[1]), max_tokens=MAX_NEW, grammar=choice),
-                                 Request(ids(PROMPTS[0]), max_tokens=3, grammar=compiler().compile(GRAMMARS["person"]))])
+                                 Request(ids(PROMPTS[0]), max_tokens=3, grammar=person)])
     assert done.finish_reason == "stop" and tokenizer().decode(list(done.tokens)) in GRAMMARS["choice"].value
     assert cut.finish_reason == "length" and len(cut.tokens) == 3
 
