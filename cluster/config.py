@@ -415,6 +415,11 @@ class RouterSpec(_Spec):
         "hot path, to check that the output is the same (engine/fidelity.py; 0 = off)."
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs reserved per router replica (Ray resource).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per router and per ingress replica: a role resource that only the "
+        "front node advertises keeps them there, off the hosts whose loss the router must survive.",
+    )
 
     @property
     def step_micro_batches(self) -> int:

@@ -97,7 +97,9 @@ def placements(cfg: ClusterConfig) -> dict[str, Placement]:
     v, pool, r = cfg.verifier, cfg.draft_pool, cfg.router
     rank = Placement(v.num_cpus, v.num_gpus, v.accelerator_type, dict(v.resources))
     if r.stages == "local":
-        return {"router": replace(rank, num_cpus=v.num_cpus + r.num_cpus), "ingress": Placement(r.num_cpus)}
+        return {"router": replace(rank, num_cpus=v.num_cpus + r.num_cpus,
+                                  resources={**rank.resources, **r.resources}),
+                "ingress": Placement(r.num_cpus, resources=dict(r.resources))}
     out: dict[str, Placement] = {}
     if cfg.target.tensor_parallel > 1:
         out["verifier"] = Placement(v.num_cpus)  # the rank actors it creates hold the GPUs (verifier_group)
@@ -106,8 +108,8 @@ def placements(cfg: ClusterConfig) -> dict[str, Placement]:
         out["verifier"] = rank
     if cfg.draft.kind != "none" and pool.placement == "offload":
         out["draft"] = Placement(pool.num_cpus, pool.num_gpus, pool.accelerator_type, dict(pool.resources))
-    out["router"] = Placement(r.num_cpus)
-    out["ingress"] = Placement(r.num_cpus)
+    out["router"] = Placement(r.num_cpus, resources=dict(r.resources))
+    out["ingress"] = Placement(r.num_cpus, resources=dict(r.resources))
     return out
 
 

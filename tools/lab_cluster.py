@@ -37,7 +37,7 @@ from tools.serve_config import REPO, dump_yaml, serve_config
 
 LAB_CONFIG = REPO / "cluster" / "examples" / "lab.yaml"
 RAY_CLI = str(Path(sys.executable).with_name("ray"))  # this checkout's Ray, as the operator runs it
-TARGET_ROLE, DRAFT_ROLE = {"specserve_target": 1}, {"specserve_draft": 1}
+TARGET_ROLE, DRAFT_ROLE, FRONT_ROLE = {"specserve_target": 1}, {"specserve_draft": 1}, {"specserve_front": 1}
 
 
 class LabCluster:
@@ -86,6 +86,7 @@ class LabCluster:
         spec = on_prem(self.lab.prefix, str(serve_file), self.head.address, roles, ssh_user="root",
                        ssh_private_key=str(self.lab.key_file), min_workers=self.started_workers,
                        mounts={RAY_TOKEN: str(self.token_file), API_KEY: str(self.key_file)},
+                       head_resources=FRONT_ROLE,
                        header="The host lab's cluster (tools/lab_cluster.py).")
         self.cluster_file.write_text(render(spec))
         return self.cluster_file
@@ -114,8 +115,12 @@ class LabCluster:
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:  # 4xx/5xx: the body is the API's JSON error (or text)
+            text = e.read().decode(errors="replace")
+            try:
+                return e.code, json.loads(text)
+            except ValueError:
+                return e.code, text
 
     def wait_healthy(self, timeout_s: float = 600, progress=None) -> dict:
         """Until ``/health`` says ok (the whole app placed and loaded); ``TimeoutError`` with the last answer."""

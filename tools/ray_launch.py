@@ -52,7 +52,8 @@ class LaunchFile:
     header: str = ""  # comment lines at the top of the file
     node_types: Sequence[NodeType] = ()  # cloud providers; the first is the head's
     node_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # node type → node_config
-    host_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # local: address → resources
+    host_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # local: worker address → resources
+    head_resources: Mapping[str, float] = field(default_factory=dict)  # local: the head's role resources
     min_workers: int | None = None  # local provider: workers started at once (the others on demand)
     idle_timeout_minutes: int | None = None
     mounts: Mapping[str, str] = field(default_factory=lambda: {RAY_TOKEN: RAY_TOKEN, API_KEY: API_KEY})
@@ -61,14 +62,15 @@ class LaunchFile:
     worker_setup_commands: Sequence[str] = ()
 
 
-def head_start_commands(serve_config: str, *, local: bool) -> list[str]:
+def head_start_commands(serve_config: str, *, local: bool, resources: Mapping[str, float] | None = None) -> list[str]:
     # Ray 2.60's v2 autoscaler with the local provider counts the head as one of the workers and then stops
     # launching the rest (seen in the host lab); the v1 autoscaler records the head and starts them all.
     v1 = "export RAY_enable_autoscaler_v2=0\n" if local else ""
+    role = f" --resources={shlex.quote(json.dumps(dict(resources), sort_keys=True))}" if resources else ""
     return [
         f"{RAY} stop",
         f"{RAY_ENV}{v1}{RAY} start --head --port={GCS_PORT} --object-manager-port={OBJECT_MANAGER_PORT} "
-        "--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1",
+        f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1{role}",
         # Retried while the dashboard, which `serve deploy` talks to, comes up; replicas then wait for the
         # worker nodes the autoscaler is starting.
         f"export RAY_AUTH_MODE=token\nfor i in $(seq 30); do\n  {SERVE} deploy {_in_install(serve_config)} && exit 0\n"
@@ -129,7 +131,8 @@ def cluster_file(spec: LaunchFile) -> dict[str, Any]:
     doc["setup_commands"] = [SETUP, LOGIN_PATH]
     doc["head_setup_commands"] = list(spec.head_setup_commands)
     doc["worker_setup_commands"] = list(spec.worker_setup_commands)
-    doc["head_start_ray_commands"] = head_start_commands(spec.serve_config, local=spec.provider["type"] == "local")
+    doc["head_start_ray_commands"] = head_start_commands(spec.serve_config, local=spec.provider["type"] == "local",
+                                                         resources=spec.head_resources)
     doc["worker_start_ray_commands"] = (worker_start_commands(spec.host_resources)
                                         if spec.node_types or spec.provider.get("worker_ips") else [])
     return doc
@@ -147,13 +150,14 @@ def _ints(resources: Mapping[str, float]) -> dict[str, int]:
 
 def on_prem(cluster_name: str, serve_config: str, head_ip: str, roles: Mapping[str, Mapping[str, float]], *,
             ssh_user: str, ssh_private_key: str, header: str = "", min_workers: int | None = None,
-            mounts: Mapping[str, str] | None = None) -> LaunchFile:
+            mounts: Mapping[str, str] | None = None, head_resources: Mapping[str, float] | None = None) -> LaunchFile:
     """Machines you already have (Ray's ``local`` provider): a head and workers by address, each worker with
-    the role resources in ``roles``. The host lab's files are these, with the lab's addresses and key."""
+    the role resources in ``roles``, the head with ``head_resources``. The host lab's files are these, with
+    the lab's addresses and key."""
     return LaunchFile(cluster_name, serve_config, header=header,
                       provider={"type": "local", "head_ip": head_ip, "worker_ips": list(roles)},
                       auth={"ssh_user": ssh_user, "ssh_private_key": ssh_private_key},
-                      host_resources=roles, min_workers=min_workers,
+                      host_resources=roles, head_resources=dict(head_resources or {}), min_workers=min_workers,
                       **({"mounts": dict(mounts)} if mounts is not None else {}))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +69,8 @@ def test_ray_up_places_each_role_on_its_hosts(cluster):
     assert sorted(ranks) == sorted(h.address for h in cluster.targets), actors  # one rank on each target host
     assert set(actors["ServeReplica:specserve:DraftPool"]) <= {h.address for h in cluster.drafts}, actors
     assert set(actors["ProxyActor"]) == {cluster.head.address}, actors  # http.proxy_location: HeadOnly
+    front = actors["ServeReplica:specserve:Router"] + actors["ServeReplica:specserve:OpenAIIngress"]
+    assert set(front) == {cluster.head.address}, actors  # router.resources: the head's specserve_front
 
 
 def _reference(cluster, prompt_ids: list[list[int]], sampled: bool) -> list[list[int]]:
@@ -157,3 +159,119 @@ def test_cluster_hosts_listen_only_on_their_lab_address_and_loopback(cluster):
         # A host's namespace has only its lab interface and loopback, so a wildcard means those two.
         assert addrs <= {host.address, "127.0.0.1", "0.0.0.0", "*", "::", "::1"}, (host, addrs)
         assert host.address in addrs
+
+
+class Traffic:
+    """Steady greedy requests from a few client threads while a fault plays out; each answer is checked
+    against the in-process engine's (``want``)."""
+
+    def __init__(self, cluster, prompts: list[str], want: list[list[int]], clients: int = 3, stream: bool = False):
+        self.cluster, self.prompts, self.want, self.stream = cluster, prompts, want, stream
+        self.tok = None
+        if stream:
+            from runtime.models import load_tokenizer
+
+            self.tok = load_tokenizer(cluster.cfg.target.path)
+        self.client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=cluster.api_key, max_retries=0,
+                                    timeout=300)
+        self.ok = self.wrong = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(clients)]
+
+    def __enter__(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=330)
+
+    def _run(self, k: int) -> None:
+        i = k
+        while not self._stop.is_set():
+            i = (i + len(self._threads)) % len(self.prompts)
+            kw = dict(model=self.cluster.cfg.http.model_name, prompt=self.prompts[i], max_tokens=MAX_TOKENS,
+                      temperature=0.0)
+            try:
+                if self.stream:  # an error mid-stream arrives as an SSE error event: the client raises it
+                    got = "".join(c.choices[0].text for c in self.client.completions.create(stream=True, **kw))
+                    want = self.tok.decode(self.want[i], skip_special_tokens=True)
+                else:
+                    got = self.client.completions.create(extra_body={"return_token_ids": True}, **kw) \
+                        .choices[0].model_extra["token_ids"]
+                    want = self.want[i]
+            except openai.APIError as e:
+                self.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            if got == want:
+                self.ok += 1
+            else:
+                self.wrong += 1
+
+
+def _wait_status(cluster, wanted: set[str], timeout_s: float) -> float:
+    """Seconds until /health's status is one of ``wanted``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            status, body = cluster.get("/health", timeout_s=5)  # the ingress answers 503 after 2 s at most
+            if isinstance(body, dict) and body.get("status") in wanted:
+                return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"/health not {wanted} within {timeout_s} s: {cluster.get('/health')}")
+
+
+@pytest.fixture(scope="module")
+def steady(cluster):
+    """Prompts and their in-process answers for the fault tests' traffic."""
+    from evaluation.scenarios import load_prompts
+    from runtime.models import load_tokenizer
+
+    tok = load_tokenizer(cluster.cfg.target.path)
+    prompts = [p["prompt"] for p in load_prompts("json", 12)]
+    return prompts, _reference(cluster, [tok(p)["input_ids"] for p in prompts], sampled=False)
+
+
+FAULTS: dict[str, dict[str, float]] = {}  # what each fault showed, printed at the end of the module
+
+
+def test_a_killed_draft_host_loses_no_request_and_the_pool_returns_with_the_host(cluster, steady):
+    draft = cluster.drafts[0]
+    with Traffic(cluster, *steady) as traffic:
+        time.sleep(5)
+        t0 = time.monotonic()
+        cluster.lab.kill_host(draft)  # every process on it: its raylet, the draft replica, its sshd
+        degraded = _wait_status(cluster, {"degraded"}, 60)
+        time.sleep(10)
+        cluster.lab.restart_sshd(draft)  # the host is back; Ray's autoscaler starts it again over SSH
+        back = _wait_status(cluster, {"ok"}, 300) + degraded + 10
+        time.sleep(5)
+    FAULTS["draft host killed"] = {"degraded_after_s": round(degraded, 1), "ok_again_after_s": round(back, 1),
+                                   "requests": traffic.ok, "wrong": traffic.wrong, "failed": len(traffic.errors)}
+    print(FAULTS)
+    assert traffic.errors == [] and traffic.wrong == 0 and traffic.ok > 0
+    assert draft.address in cluster.node_hosts()
+
+
+def test_c_a_killed_target_host_ends_streams_cleanly_and_the_group_is_rebuilt_when_it_returns(cluster, steady):
+    target = cluster.targets[1]
+    with Traffic(cluster, *steady, stream=True) as traffic:
+        time.sleep(5)
+        cluster.lab.kill_host(target)  # a verifier rank's host, mid-stream
+        down = _wait_status(cluster, {"degraded", "unhealthy"}, 90)
+        time.sleep(10)
+        cluster.lab.restart_sshd(target)
+        back = _wait_status(cluster, {"ok"}, 400) + down + 10
+        time.sleep(5)
+    FAULTS["target host killed"] = {"not_ok_after_s": round(down, 1), "ok_again_after_s": round(back, 1),
+                                    "streams": traffic.ok, "wrong": traffic.wrong, "ended_with_error": len(traffic.errors)}
+    print(FAULTS, traffic.errors[:3])
+    assert traffic.wrong == 0 and traffic.ok > 0  # every stream identical, or ended with an explicit error
+    # /health turns within the time Ray takes to find the rank gone (docs/platform.md: not yet the 2 s aimed at)
+    assert down <= 60
+    assert sorted(cluster.actor_hosts()["VerifierRankActor"]) == sorted(h.address for h in cluster.targets)
