@@ -250,15 +250,10 @@ def main() -> int:
         return 2
 
 
-def run(args) -> int:
-    groups = (read_prompts_file(args.prompts_file, args.prompts) if args.prompts_file else
-              {s: load_prompts(s, args.prompts) for s in SCENARIOS})
-
+def load_pair(args):
+    """The benchmark's pair on CPU at ``args.threads`` threads: (tokenizer, target, draft, eos ids, max_len)."""
     import torch
-    from tqdm import tqdm
 
-    from engine.engine import Request
-    from engine.assembly import EngineSettings, make_engine
     from cluster.model_files import check_pair
     from runtime.models import build_model, load_tokenizer
 
@@ -270,7 +265,20 @@ def run(args) -> int:
     target = build_model(args.target, "cpu", "float32")
     draft = build_model(args.draft, "cpu", "float32")
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    max_len = min(1024, target.config.max_position_embeddings)
+    return tok, target, draft, eos, min(1024, target.config.max_position_embeddings)
+
+
+def run(args) -> int:
+    groups = (read_prompts_file(args.prompts_file, args.prompts) if args.prompts_file else
+              {s: load_prompts(s, args.prompts) for s in SCENARIOS})
+
+    import torch
+    from tqdm import tqdm
+
+    from engine.engine import Request
+    from engine.assembly import EngineSettings, make_engine
+
+    tok, target, draft, eos, max_len = load_pair(args)
     prompts = {s: [encode(row, tok, args.chat) for row in rows] for s, rows in groups.items()}
     for s, ps in prompts.items():
         for p in ps:

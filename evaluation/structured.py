@@ -72,23 +72,14 @@ def valid(row: dict, text: str) -> bool:
 
 
 def run_structured(args) -> int:
-    import torch
     from tqdm import tqdm
 
-    from cluster.model_files import check_pair
     from engine.assembly import EngineSettings, make_engine
     from engine.engine import Request
     from engine.grammar import GrammarCompiler, map_tokenizer
-    from evaluation.scenarios import interleaved
-    from runtime.models import build_model, load_tokenizer
+    from evaluation.scenarios import interleaved, load_pair
 
-    torch.set_num_threads(args.threads)
-    check_pair(args.target, args.draft, where=(args.target, args.draft))
-    tok = load_tokenizer(args.target)
-    target = build_model(args.target, "cpu", "float32")
-    draft = build_model(args.draft, "cpu", "float32")
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    max_len = min(1024, target.config.max_position_embeddings)
+    tok, target, draft, eos, max_len = load_pair(args)
     compiler = GrammarCompiler(map_tokenizer(tok, target.config.vocab_size))
 
     def engine(proposer: str | None, forced: bool = True):

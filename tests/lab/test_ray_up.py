@@ -13,7 +13,6 @@ answers 401 without the key. One cluster for the module: bringing it up costs ab
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -27,6 +27,21 @@ ray = pytest.importorskip("ray")
 from deployments.loopback import init_local_ray  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    """The app the ``MAIN_APP_MODULES`` share (``openai_app.main_app``); a module may define its own ``app``."""
+    from tests.ray.openai_app import main_app
+
+    return main_app()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from tests.ray.openai_app import openai_client
+
+    return openai_client(app)
+
+
 MAIN_APP_MODULES = ("test_openai_api.py", "test_openai_errors.py", "test_structured_outputs.py",
                     "test_reliability_http.py")
 

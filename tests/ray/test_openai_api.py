@@ -17,22 +17,12 @@ import openai
 import pytest
 
 from tests.fixtures_tokenizer import chat_prompt_ids, prompts, reference, tokenizer
-from tests.ray.openai_app import MODEL, main_app, openai_client
+from tests.ray.openai_app import MODEL, openai_client
 
 pytestmark = pytest.mark.ray
 
 MAX_NEW = 24
 SPEC_KEYS = {"acceptance_rate", "acceptance_length", "steps", "proposed", "accepted", "emitted"}
-
-
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    return main_app()
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 def _check_speculation(spec: dict, completion_tokens: int) -> None:

@@ -19,7 +19,7 @@ from cluster.config import ClusterConfig
 from deployments.api import GenerationFailed, InvalidRequest, Overloaded, RequestTimedOut
 from deployments.ingress import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIIngress, _translate
 from tests.ray.conftest import deploy
-from tests.ray.openai_app import MAX_BODY, MAX_MODEL_LEN, MODEL, App, app_args, delete_app, http_port, main_app, \
+from tests.ray.openai_app import MAX_BODY, MAX_MODEL_LEN, MODEL, App, app_args, delete_app, http_port, \
     openai_client, wait_healthy
 
 pytestmark = pytest.mark.ray
@@ -148,11 +148,6 @@ BAD_RAW = [
     ("GET on a POST endpoint", "GET", C, None, {}, 405),
     ("unknown endpoint", "POST", "/engines", b"{}", {}, 404),
 ]
-
-
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    return main_app()
 
 
 def _error(r: httpx.Response) -> dict:

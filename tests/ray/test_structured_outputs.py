@@ -18,7 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.ray.openai_app import MAX_GRAMMAR_BYTES, MODEL, main_app, openai_client
+from tests.ray.openai_app import MAX_GRAMMAR_BYTES, MODEL, openai_client
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -37,16 +37,6 @@ class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=10)
     age: int = pydantic.Field(ge=0, le=120)
     city: str = pydantic.Field(max_length=12)
-
-
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    return main_app()
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 def person_format(schema=PERSON) -> dict:
