@@ -92,6 +92,7 @@ def served(ray_cluster):
                               router={"fidelity_sample_rate": 1.0})), APP, route_prefix="/prom")
     router = serve.get_deployment_handle("Router", app_name=APP)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rounds: list[int] = []
 
     def traffic(sizes=(1, 4, 8), repeats=1) -> None:
         """Batches of 1, 4 and 8 concurrent requests: several batch-size buckets."""
@@ -100,6 +101,15 @@ def served(ray_cluster):
                 calls = [router.generate.remote(GenerateRequest(prompt=" ".join(words[i % 10:] + words[:i % 10]),
                                                                 max_tokens=32)) for i in range(size)]
                 assert all(c.result().completion_tokens > 0 for c in calls)
+        # Structured requests too (the grammar compile, mask and forced-token panels): a schema whose key names
+        # the grammar forces, new each round (a cached grammar is not compiled again, and a compile-time rate
+        # needs compiles after Prometheus' first scrape).
+        rounds.append(len(rounds))
+        schema = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, ' \
+                 f'"required": ["name", "age"], "description": "round {rounds[-1]}"}}'
+        calls = [router.generate.remote(GenerateRequest(prompt=f"{words[i]}: ", max_tokens=32,
+                                                        structured_outputs={"json": schema})) for i in range(2)]
+        assert all(c.result().completion_tokens > 0 for c in calls)
 
     traffic()
     yield traffic
