@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig
-from tools.hostlab import Host, HostLab
+from tools.hostlab import HostLab
 from tools.ray_launch import API_KEY, INSTALL, RAY_TOKEN, on_prem, render
 from tools.serve_config import REPO, dump_yaml, serve_config
 
@@ -43,12 +43,10 @@ TARGET_ROLE, DRAFT_ROLE, FRONT_ROLE = {"specserve_target": 1}, {"specserve_draft
 class LabCluster:
     HOME_LINKS = {"specserve": REPO}  # ~/specserve on every host: tools.ray_launch.INSTALL
 
-    def __init__(self, lab: HostLab, *, targets: int = 2, drafts: int = 1, spare_drafts: int = 0,
-                 config: Path = LAB_CONFIG):
-        """Hosts in order: the head, ``targets`` target hosts, ``drafts`` draft hosts started with the
-        cluster, ``spare_drafts`` draft hosts the autoscaler may start; any further lab host is not in the
-        cluster (an outsider on the same network)."""
-        need = 1 + targets + drafts + spare_drafts
+    def __init__(self, lab: HostLab, *, targets: int = 2, drafts: int = 1, config: Path = LAB_CONFIG):
+        """Hosts in order: the head, ``targets`` target hosts, ``drafts`` draft hosts; any further lab host is
+        not in the cluster (an outsider on the same network)."""
+        need = 1 + targets + drafts
         if len(lab.hosts) < need:
             raise ValueError(f"the lab has {len(lab.hosts)} hosts; this cluster needs {need}")
         if INSTALL != "~/" + next(iter(self.HOME_LINKS)):
@@ -58,7 +56,6 @@ class LabCluster:
         self.targets = lab.hosts[1:1 + targets]
         self.drafts = lab.hosts[1 + targets:need]
         self.outsiders = lab.hosts[need:]
-        self.started_workers = targets + drafts
         self.config = config
         self.dir = lab.dir
         self.cluster_file = self.dir / "cluster.yaml"
@@ -84,7 +81,7 @@ class LabCluster:
         serve_file.write_text(dump_yaml(serve_config(self.cfg)))
         roles = {**{h.address: TARGET_ROLE for h in self.targets}, **{h.address: DRAFT_ROLE for h in self.drafts}}
         spec = on_prem(self.lab.prefix, str(serve_file), self.head.address, roles, ssh_user="root",
-                       ssh_private_key=str(self.lab.key_file), min_workers=self.started_workers,
+                       ssh_private_key=str(self.lab.key_file),
                        mounts={RAY_TOKEN: str(self.token_file), API_KEY: str(self.key_file)},
                        head_resources=FRONT_ROLE,
                        header="The host lab's cluster (tools/lab_cluster.py).")
@@ -109,9 +106,8 @@ class LabCluster:
 
     # -- the running cluster --------------------------------------------------------------------------
 
-    def get(self, path: str, timeout_s: float = 5, auth: bool = True) -> tuple[int, Any]:
-        req = urllib.request.Request(self.base_url + path,
-                                     headers={"Authorization": f"Bearer {self.api_key}"} if auth else {})
+    def get(self, path: str, timeout_s: float = 5) -> tuple[int, Any]:
+        req = urllib.request.Request(self.base_url + path, headers={"Authorization": f"Bearer {self.api_key}"})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
@@ -122,7 +118,7 @@ class LabCluster:
             except ValueError:
                 return e.code, text
 
-    def wait_healthy(self, timeout_s: float = 600, progress=None) -> dict:
+    def wait_healthy(self, timeout_s: float = 600) -> dict:
         """Until ``/health`` says ok (the whole app placed and loaded); ``TimeoutError`` with the last answer."""
         deadline, last = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
@@ -133,8 +129,6 @@ class LabCluster:
                     return body
             except (OSError, ValueError) as e:
                 last = repr(e)
-            if progress:
-                progress(last)
             time.sleep(2)
         raise TimeoutError(f"{self.base_url}/health not ok after {timeout_s:.0f} s: {last}\n{self.diagnosis()}")
 
@@ -168,6 +162,3 @@ class LabCluster:
         """Alive nodes' addresses → their Ray resources."""
         return self.on_head("print(json.dumps({n['NodeManagerAddress']: n['Resources'] for n in ray.nodes() "
                             "if n['Alive']}))")
-
-    def hosts_of(self, hosts: list[Host]) -> set[str]:
-        return {h.address for h in hosts}

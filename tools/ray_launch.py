@@ -54,7 +54,6 @@ class LaunchFile:
     node_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # node type → node_config
     host_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # local: worker address → resources
     head_resources: Mapping[str, float] = field(default_factory=dict)  # local: the head's role resources
-    min_workers: int | None = None  # local provider: workers started at once (the others on demand)
     idle_timeout_minutes: int | None = None
     mounts: Mapping[str, str] = field(default_factory=lambda: {RAY_TOKEN: RAY_TOKEN, API_KEY: API_KEY})
     initialization_commands: Sequence[str] = ()
@@ -106,8 +105,6 @@ def cluster_file(spec: LaunchFile) -> dict[str, Any]:
     if spec.node_types:
         doc["max_workers"] = sum(n.max_count for n in spec.node_types[1:])
         doc["upscaling_speed"] = 1.0
-    elif spec.min_workers is not None:
-        doc["min_workers"] = spec.min_workers
     if spec.idle_timeout_minutes is not None:
         doc["idle_timeout_minutes"] = spec.idle_timeout_minutes
     doc["provider"] = dict(spec.provider)
@@ -149,7 +146,7 @@ def _ints(resources: Mapping[str, float]) -> dict[str, int]:
 
 
 def on_prem(cluster_name: str, serve_config: str, head_ip: str, roles: Mapping[str, Mapping[str, float]], *,
-            ssh_user: str, ssh_private_key: str, header: str = "", min_workers: int | None = None,
+            ssh_user: str, ssh_private_key: str, header: str = "",
             mounts: Mapping[str, str] | None = None, head_resources: Mapping[str, float] | None = None) -> LaunchFile:
     """Machines you already have (Ray's ``local`` provider): a head and workers by address, each worker with
     the role resources in ``roles``, the head with ``head_resources``. The host lab's files are these, with
@@ -157,7 +154,7 @@ def on_prem(cluster_name: str, serve_config: str, head_ip: str, roles: Mapping[s
     return LaunchFile(cluster_name, serve_config, header=header,
                       provider={"type": "local", "head_ip": head_ip, "worker_ips": list(roles)},
                       auth={"ssh_user": ssh_user, "ssh_private_key": ssh_private_key},
-                      host_resources=roles, head_resources=dict(head_resources or {}), min_workers=min_workers,
+                      host_resources=roles, head_resources=dict(head_resources or {}),
                       **({"mounts": dict(mounts)} if mounts is not None else {}))
 
 
