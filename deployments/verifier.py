@@ -9,6 +9,8 @@ KV cache holds it; a group that restarted answers ``resync`` and the router re-p
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 
 from cluster.config import ClusterConfig
@@ -35,6 +37,7 @@ class Verifier(StageHost):
         start_replica(cfg, role)
         self._init_host(wire_limits(cfg))
         self.stage = None
+        self.probe_timeout_s = cfg.router.probe_timeout_s
         if "verifier" in cfg.worker_stages:  # with tensor parallelism the ranks, not the worker, hold GPUs
             self._start_worker(cfg, "verifier", role, build_verify_stage, generation=generation,
                                threads=cfg.verifier.num_threads,
@@ -50,6 +53,14 @@ class Verifier(StageHost):
         shutdown = getattr(getattr(self, "stage", None), "shutdown", None)
         if shutdown is not None:
             shutdown()  # rank actors and their process group go with the replica
+
+    async def ping(self) -> bool:
+        """The router's liveness probe. A tensor-parallel group's ranks answer it too: a rank whose host is
+        lost makes the verifier down within one probe, where Ray would take tens of seconds to declare the
+        rank dead (and the surviving ranks' all-reduce waits that long)."""
+        if isinstance(self.stage, VerifierGroup):
+            await asyncio.to_thread(self.stage.health, self.probe_timeout_s)
+        return True
 
     def check_health(self) -> None:
         health = getattr(self.stage, "health", None)
