@@ -249,6 +249,13 @@ class SpeculationSpec(_Spec):
 class AutoscalingSpec(_Spec):
     min_replicas: int = Field(ge=1, description="Fewest draft replicas kept running.")
     max_replicas: int = Field(ge=1, description="Most draft replicas started under load.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Draft calls in flight per replica that Serve scales the pool to hold (a call is "
+        "one part of a micro-batch: draft_pool.batch_size rows at most).")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long the load must call for more replicas "
+                                   "before Serve adds them.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long the load must call for fewer replicas "
+                                     "before Serve removes them (a removed replica's sequences resync elsewhere).")
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingSpec":
@@ -289,7 +296,10 @@ class DraftPoolSpec(_Spec):
     max_batch_size: int = Field(
         64, ge=1, le=MAX_BATCH_CAP, description="Most sequences one draft replica call may carry."
     )
-    batch_size: int = Field(32, ge=1, description="Micro-batch size the draft pool drafts in (≤ max_batch_size).")
+    batch_size: int = Field(
+        32, ge=1, description="Most rows one draft call carries (≤ max_batch_size): a micro-batch with more is "
+        "drafted in parts of this size on as many draft replicas at once, each sequence staying in its part "
+        "(router.transport 'handles'). With autoscaling, the parts in flight are the pool's load.")
     timeout_s: float = Field(
         10.0, gt=0, description="Longest a step waits for a live draft pool's proposal "
         "before decoding target-only (a pool marked down is not waited for at all)."

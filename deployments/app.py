@@ -117,9 +117,7 @@ def build_app(args: ClusterConfig | dict[str, Any]):
         else:
             scaling: dict[str, Any] = {"num_replicas": pool.num_replicas}
             if pool.autoscaling is not None:
-                scaling = {"autoscaling_config": {"min_replicas": pool.autoscaling.min_replicas,
-                                                  "max_replicas": pool.autoscaling.max_replicas,
-                                                  "target_ongoing_requests": 2}}
+                scaling = {"autoscaling_config": pool.autoscaling.model_dump()}
             draft = DraftPool.options(
                 **QUIET, **scaling, max_ongoing_requests=STAGE_MAX_ONGOING,
                 graceful_shutdown_timeout_s=STAGE_SHUTDOWN_S,

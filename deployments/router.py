@@ -131,7 +131,8 @@ class Router:
         return connect_stages(self.limits, draft_handle, verifier_handle, draft_timeout_s=cfg.draft_pool.timeout_s,
                               verify_timeout_s=cfg.router.verify_timeout_s, shard_prefix=f"{shard}{os.getpid()}",
                               probe_interval_s=cfg.router.probe_interval_s, probe_timeout_s=cfg.router.probe_timeout_s,
-                              branches=cfg.speculation.draft_num, on_fallback=on_fallback,
+                              branches=cfg.speculation.draft_num, draft_rows=cfg.draft_pool.batch_size,
+                              on_fallback=on_fallback,
                               workers_of=app_key(serve.get_replica_context().app_name, self.generation)
                               if workers else None)
 

@@ -129,6 +129,43 @@ class ProposalBatch:
             mask_seconds=self.mask_seconds,
         )
 
+    @staticmethod
+    def concat(batches: Sequence["ProposalBatch"]) -> "ProposalBatch":
+        """The rows of ``batches`` (disjoint sequences) in one batch, in their order: tokens padded to the
+        widest, q written out one-hot where a batch sent none while another sent q (what "no q" means), chains
+        written as trees where another batch holds trees. Drafted side by side: the slowest one's seconds."""
+        if len(batches) == 1:
+            return batches[0]
+        seq_ids = [s for b in batches for s in b.seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("ProposalBatch.concat: a sequence is in more than one batch")
+        n, width = len(seq_ids), max(b.tokens.shape[1] for b in batches)
+        with_q = [b for b in batches if b.q_ids is not None]
+        K = max((b.q_ids.shape[-1] for b in with_q), default=0)
+        trees = any(b.parents is not None for b in batches)
+        tokens = torch.zeros((n, width), dtype=torch.long)
+        q_ids = torch.zeros((n, width, K), dtype=torch.long) if with_q else None
+        q_probs = torch.zeros((n, width, K), dtype=torch.float32) if with_q else None
+        parents = torch.full((n, width), -1, dtype=torch.long) if trees else None
+        row = 0
+        for b in batches:
+            rows, g = slice(row, row + len(b.seq_ids)), b.tokens.shape[1]
+            tokens[rows, :g] = b.tokens
+            if q_ids is not None and b.q_ids is not None:
+                q_ids[rows, :g, : b.q_ids.shape[-1]], q_probs[rows, :g, : b.q_ids.shape[-1]] = b.q_ids, b.q_probs
+            elif q_ids is not None:
+                q_ids[rows, :g, 0], q_probs[rows, :g, 0] = b.tokens, 1.0
+            if parents is not None:
+                for i in range(len(b.seq_ids)):
+                    tree = b.row_parents(i)
+                    parents[row + i, : len(tree)] = torch.tensor(tree, dtype=torch.long)
+            row += len(b.seq_ids)
+        return ProposalBatch(seq_ids=seq_ids, tokens=tokens, lengths=torch.cat([b.lengths for b in batches]),
+                             q_ids=q_ids, q_probs=q_probs, parents=parents,
+                             resync=[s for b in batches for s in b.resync],
+                             draft_seconds=max(b.draft_seconds for b in batches),
+                             mask_seconds=max(b.mask_seconds for b in batches))
+
 
 @dataclass(frozen=True)
 class VerifyItem:

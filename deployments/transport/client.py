@@ -1,8 +1,9 @@
 """The engine's two stages (``engine.engine.Stages``) over the links their routes pick: one client for
 Serve handles and compiled channels alike.
 
-A step sends one call per stage per micro-batch (``runtime.wire.serve_call``'s frames), never a call per
-token or per request. Two rules keep requests alive whatever the stages do:
+A step sends one call per stage per micro-batch (``runtime.wire.serve_call``'s frames; the draft's in parts
+of at most ``draft_rows`` rows, on several draft replicas at once), never a call per token or per request.
+Two rules keep requests alive whatever the stages do:
 
 - A proposal that does not arrive in time, comes from a dead replica or worker, or fails validation becomes
   an empty proposal (a target-only step, γ = 0) that also asks for a resync, so the next proposal — from
@@ -60,8 +61,13 @@ class StageClient:
 
     def __init__(self, limits: wire.WireLimits, *, draft: HandleRoute | WorkerRoute | None,
                  verifier: HandleRoute | WorkerRoute, draft_timeout_s: float, verify_timeout_s: float,
-                 on_fallback: Callable[[str, int], None] | None = None, stops: Sequence = ()):
+                 on_fallback: Callable[[str, int], None] | None = None, stops: Sequence = (),
+                 draft_rows: int | None = None):
+        """``draft_rows``: most rows per draft call (``draft_pool.batch_size``); a micro-batch with more is
+        drafted in parts on as many replicas at once. None: one call per micro-batch (stage workers)."""
         self.limits = limits
+        self.draft_rows = draft_rows
+        self._part: dict[int, int] = {}  # seq_id → its draft part, while it lives
         self.draft, self.verifier = draft, verifier
         self.draft_timeout_s, self.verify_timeout_s = draft_timeout_s, verify_timeout_s
         self.on_fallback = on_fallback or (lambda reason, n: None)
@@ -91,7 +97,41 @@ class StageClient:
         seq_ids = [it.sync.seq_id for it in items]
         if self.draft is None:
             return Done(ProposalBatch.empty(seq_ids))
-        link = self.draft.pick(shard, items[0].branch if items else 0)  # a micro-batch's branches side by side
+        parts = self._parts(items)
+        if len(parts) == 1:
+            return self._submit_part(items, shard, parts[0][0])
+        pending = [self._submit_part(part_items, shard, part) for part, part_items in parts]
+        return _Pending(lambda: ProposalBatch.concat([p.result() for p in pending]).select(seq_ids))
+
+    def _parts(self, items: Sequence[ProposeItem]) -> list[tuple[int, list[ProposeItem]]]:
+        """A micro-batch's rows by draft part, at most ``draft_rows`` rows each: a sequence keeps its part (the
+        replica that holds its draft KV) while the part has room in this call; the others fill the lowest
+        parts with room. So the pool's load grows with the rows in flight, not only with the micro-batches,
+        and a replica Serve adds under load takes the parts no replica holds yet."""
+        cap = self.draft_rows or max(1, len(items))
+        part_of, count, placed = {}, Counter(), []
+        for it in items:
+            part = self._part.get(it.sync.seq_id)
+            if part is not None and count[part] < cap:
+                part_of[it.sync.seq_id] = part
+                count[part] += 1
+            else:
+                placed.append(it)
+        part = 0
+        for it in placed:
+            while count[part] >= cap:
+                part += 1
+            part_of[it.sync.seq_id] = part
+            count[part] += 1
+        self._part.update(part_of)
+        groups: dict[int, list[ProposeItem]] = {}
+        for it in items:
+            groups.setdefault(part_of[it.sync.seq_id], []).append(it)
+        return sorted(groups.items()) or [(0, [])]
+
+    def _submit_part(self, items: Sequence[ProposeItem], shard: int, part: int):
+        seq_ids = [it.sync.seq_id for it in items]
+        link = self.draft.pick(shard, items[0].branch if items else 0, part)  # branches and parts side by side
         if link is None:  # nobody to ask: decode target-only without waiting
             return Done(self._fallback(seq_ids, "draft_down"))
         self.calls[f"draft {link.kind}"] += 1
@@ -186,20 +226,29 @@ class StageClient:
     def release(self, seq_ids: Sequence[int], shard: int = 0) -> None:
         """Fire-and-forget on every stage process that may hold the sequences: a lost release only leaves a
         slot to its LRU eviction."""
-        call = wire.OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
-        for route, timeout_s in ((self.draft, self.draft_timeout_s), (self.verifier, self.verify_timeout_s)):
-            if route is not None:
-                route.release(call, shard, timeout_s)
+        self.verifier.release(self._release_call(seq_ids), shard, self.verify_timeout_s)
+        by_part: dict[int, list[int]] = {}
+        for seq_id in seq_ids:
+            by_part.setdefault(self._part.pop(seq_id, 0), []).append(seq_id)
+        if self.draft is not None:
+            for part, ids in sorted(by_part.items()):
+                self.draft.release(self._release_call(ids), shard, self.draft_timeout_s, part)
+
+    @staticmethod
+    def _release_call(seq_ids: Sequence[int]) -> bytes:
+        return wire.OP_RELEASE + wire.encode_release(wire.Release(tuple(seq_ids)))
 
 
 def connect_stages(limits: wire.WireLimits, draft_handle, verifier_handle, *, draft_timeout_s: float,
                    verify_timeout_s: float, shard_prefix: str, probe_interval_s: float, probe_timeout_s: float,
-                   branches: int = 1, workers_of: str | None = None,
+                   branches: int = 1, workers_of: str | None = None, draft_rows: int | None = None,
                    on_fallback: Callable[[str, int], None] | None = None) -> StageClient:
     """A ``StageClient`` over the stages' Serve handles (``draft_handle`` None: no draft; the verifier's handle:
     a colocated draft, sharing the verifier's liveness), with a prober keeping their liveness; with
     ``workers_of`` (a ``directory.app_key``) over that app's stage workers, the handles serving a stage while it
-    has none. ``client.handle_routes`` are the (draft, verifier) handle routes, for health and debugging."""
+    has none; ``draft_rows``: see ``StageClient`` (pool replicas only: a worker drafts its shard whole, a
+    colocated draft stays with its verifier). ``client.handle_routes`` are the (draft, verifier) handle routes,
+    for health and debugging."""
     verifier_live = StageLiveness("verifier")
     targets = [(verifier_handle, verifier_live)]
     if draft_handle is None or draft_handle is verifier_handle:
@@ -216,7 +265,8 @@ def connect_stages(limits: wire.WireLimits, draft_handle, verifier_handle, *, dr
         routes = (draft and WorkerRoute("draft", draft), WorkerRoute("verifier", verifier))
         directory = WorkerDirectory({"draft": routes[0], "verifier": routes[1]}, workers_of, DIRECTORY_INTERVAL_S)
     client = StageClient(limits, draft=routes[0], verifier=routes[1], draft_timeout_s=draft_timeout_s,
-                         verify_timeout_s=verify_timeout_s, on_fallback=on_fallback, stops=(prober, directory))
+                         verify_timeout_s=verify_timeout_s, on_fallback=on_fallback, stops=(prober, directory),
+                         draft_rows=draft_rows if workers_of is None and draft_live is not verifier_live else None)
     if directory is not None:
         directory.start()
     return client

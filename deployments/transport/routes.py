@@ -155,13 +155,15 @@ class HandleRoute:
         self.handle, self.live, self.prober = handle, live, prober
         self.shard_prefix, self.skip_when_down, self.branches = shard_prefix, skip_when_down, branches
 
-    def link(self, shard: int, branch: int = 0) -> HandleLink:
+    def link(self, shard: int, branch: int = 0, part: int = 0) -> HandleLink:
         """The handle routed by the micro-batch's key — its branch's key for the candidates beyond the first
-        (``draft_num``), so Serve spreads a micro-batch's branches over the draft replicas."""
-        return HandleLink(self.handle, f"{self.shard_prefix}-{shard}" + (f"-{branch}" if branch else ""))
+        (``draft_num``), its part's beyond the first ``draft_pool.batch_size`` rows — so Serve spreads a
+        micro-batch's branches and parts over the draft replicas, each key staying on one while it lives."""
+        return HandleLink(self.handle, f"{self.shard_prefix}-{shard}" + (f"-{branch}" if branch else "")
+                          + (f"-p{part}" if part else ""))
 
-    def pick(self, shard: int, branch: int = 0) -> HandleLink | None:
-        return None if self.skip_when_down and not self.live.up else self.link(shard, branch)
+    def pick(self, shard: int, branch: int = 0, part: int = 0) -> HandleLink | None:
+        return None if self.skip_when_down and not self.live.up else self.link(shard, branch, part)
 
     def wait(self, link, reply, started: float, timeout_s: float) -> bytes:
         deadline = started + timeout_s
@@ -187,11 +189,11 @@ class HandleRoute:
             self.live.failed(f"replica died ({type(exc).__name__})")
         self.prober.probe_now()
 
-    def release(self, call: bytes, shard: int, timeout_s: float) -> None:
+    def release(self, call: bytes, shard: int, timeout_s: float, part: int = 0) -> None:
         """Fire-and-forget: a lost release only leaves a slot to the replica's LRU eviction."""
         for branch in range(self.branches):
             try:
-                self.link(shard, branch).release(call, timeout_s)
+                self.link(shard, branch, part).release(call, timeout_s)
             except Exception as exc:
                 log.warning("release failed: %s", exc)
 
@@ -248,11 +250,11 @@ class WorkerRoute:
 
     # -- the route -------------------------------------------------------------------------------------
 
-    def pick(self, shard: int, branch: int = 0):
+    def pick(self, shard: int, branch: int = 0, part: int = 0):
         with self._lock:
             link = self.links[(shard + branch) % len(self.links)] if self.links else None
         if link is None and self.fallback is not None:
-            return self.fallback.pick(shard, branch)
+            return self.fallback.pick(shard, branch, part)
         return link
 
     def wait(self, link, reply, started: float, timeout_s: float) -> bytes:
@@ -271,7 +273,7 @@ class WorkerRoute:
         elif isinstance(exc, TimeoutError) or _worker_gone(exc):
             self.drop(link, type(exc).__name__)
 
-    def release(self, call: bytes, shard: int, timeout_s: float) -> None:
+    def release(self, call: bytes, shard: int, timeout_s: float, part: int = 0) -> None:
         """On every worker that may hold the sequences; a dead or hung worker is dropped, as a failed stage
         call would drop it. Through the handles too while the stage has no worker."""
         links = self.all()
@@ -281,7 +283,7 @@ class WorkerRoute:
             except Exception as exc:
                 self.drop(link, f"release: {type(exc).__name__}: {exc}")
         if not links and self.fallback is not None:
-            self.fallback.release(call, shard, timeout_s)
+            self.fallback.release(call, shard, timeout_s, part)
 
     def close(self) -> None:
         with self._lock:

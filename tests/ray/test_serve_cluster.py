@@ -26,7 +26,8 @@ ARGS = {
     "target": {"path": "builtin:tiny", "max_model_len": 256},
     "draft": {"kind": "model", "path": "builtin:tiny"},
     "speculation": {"gamma": 4, "adaptive": False},
-    "draft_pool": {"num_replicas": 2, "num_cpus": 0.25},
+    # batch_size 4: a micro-batch of the 11 prompts in flight is drafted in two parts (four keys, two replicas)
+    "draft_pool": {"num_replicas": 2, "num_cpus": 0.25, "batch_size": 4},
     "router": {"micro_batches": 2, "max_running": 64, "max_queue": 64},
     "defaults": {"temperature": 0.0},
 }
