@@ -32,21 +32,26 @@ import yaml
 
 from cluster.config import ClusterConfig
 from tools.hostlab import HostLab
-from tools.ray_launch import API_KEY, INSTALL, RAY_TOKEN, on_prem, render
+from tools.ray_launch import API_KEY, INSTALL, RAY_ENV, RAY_TOKEN, HostPool, on_prem, render, tls_env, tls_mounts
+from tools.tls_certs import make_certs
 from tools.serve_config import REPO, dump_yaml, serve_config
 
 LAB_CONFIG = REPO / "cluster" / "examples" / "lab.yaml"
 RAY_CLI = str(Path(sys.executable).with_name("ray"))  # this checkout's Ray, as the operator runs it
+CLIENT_ENV = RAY_ENV + tls_env()  # a Ray client on a lab host: the token and the TLS files the nodes use
 TARGET_ROLE, DRAFT_ROLE, FRONT_ROLE = {"specserve_target": 1}, {"specserve_draft": 1}, {"specserve_front": 1}
 
 
 class LabCluster:
     HOME_LINKS = {"specserve": REPO}  # ~/specserve on every host: tools.ray_launch.INSTALL
 
-    def __init__(self, lab: HostLab, *, targets: int = 2, drafts: int = 1, config: Path = LAB_CONFIG):
-        """Hosts in order: the head, ``targets`` target hosts, ``drafts`` draft hosts; any further lab host is
-        not in the cluster (an outsider on the same network)."""
-        need = 1 + targets + drafts
+    def __init__(self, lab: HostLab, *, targets: int = 2, drafts: int = 1, spare_drafts: int = 0,
+                 config: Path = LAB_CONFIG, idle_timeout_minutes: float | None = None):
+        """Hosts in order: the head, ``targets`` target hosts, ``drafts`` draft hosts that ``ray up`` starts,
+        ``spare_drafts`` more that the autoscaler starts when draft replicas wait for room (and stops after
+        ``idle_timeout_minutes`` idle); any further lab host is not in the cluster (an outsider on the same
+        network)."""
+        need = 1 + targets + drafts + spare_drafts
         if len(lab.hosts) < need:
             raise ValueError(f"the lab has {len(lab.hosts)} hosts; this cluster needs {need}")
         if INSTALL != "~/" + next(iter(self.HOME_LINKS)):
@@ -54,12 +59,16 @@ class LabCluster:
         self.lab = lab
         self.head = lab.hosts[0]
         self.targets = lab.hosts[1:1 + targets]
-        self.drafts = lab.hosts[1 + targets:need]
+        self.drafts = lab.hosts[1 + targets:need]  # the draft pool's hosts, spares last
+        self.min_drafts = drafts
         self.outsiders = lab.hosts[need:]
+        self.members = [self.head, *self.targets, *self.drafts]
+        self.idle_timeout_minutes = idle_timeout_minutes
         self.config = config
         self.dir = lab.dir
         self.cluster_file = self.dir / "cluster.yaml"
         self.token_file, self.key_file = self.dir / "ray_token", self.dir / "api_key"
+        self.tls_dir = self.dir / "tls"  # the CA and node certificate for Ray's TLS (tools.tls_certs)
         self.api_key = os.urandom(24).hex()
         self.cfg = self._serve_cfg()
         self.base_url = f"http://{self.head.address}:{self.cfg.http.port}"
@@ -73,17 +82,22 @@ class LabCluster:
         return ClusterConfig.from_dict(data)
 
     def write_files(self) -> Path:
-        """The Ray token, the API key, the Serve config and the cluster file, in the lab's directory (0700)."""
+        """The Ray token, the API key, the TLS certificates, the Serve config and the cluster file, in the
+        lab's directory (0700)."""
         for path, text in ((self.token_file, os.urandom(32).hex()), (self.key_file, self.api_key)):
             path.write_text(text + "\n")
             path.chmod(0o600)
+        if not (self.tls_dir / "ca.crt").exists():
+            make_certs(self.tls_dir, [h.address for h in self.members])
         serve_file = self.dir / "serve.yaml"
         serve_file.write_text(dump_yaml(serve_config(self.cfg)))
-        roles = {**{h.address: TARGET_ROLE for h in self.targets}, **{h.address: DRAFT_ROLE for h in self.drafts}}
-        spec = on_prem(self.lab.prefix, str(serve_file), self.head.address, roles, ssh_user="root",
+        pools = [HostPool("target", TARGET_ROLE, [h.address for h in self.targets]),
+                 HostPool("draft", DRAFT_ROLE, [h.address for h in self.drafts], min_hosts=self.min_drafts)]
+        spec = on_prem(self.lab.prefix, str(serve_file), self.head.address, pools, ssh_user="root",
                        ssh_private_key=str(self.lab.key_file),
-                       mounts={RAY_TOKEN: str(self.token_file), API_KEY: str(self.key_file)},
-                       head_resources=FRONT_ROLE,
+                       mounts={RAY_TOKEN: str(self.token_file), API_KEY: str(self.key_file),
+                               **tls_mounts(str(self.tls_dir))},
+                       head_resources=FRONT_ROLE, tls=True, idle_timeout_minutes=self.idle_timeout_minutes,
                        header="The host lab's cluster (tools/lab_cluster.py).")
         self.cluster_file.write_text(render(spec))
         return self.cluster_file
@@ -134,15 +148,16 @@ class LabCluster:
 
     def diagnosis(self) -> str:
         """``ray status`` and ``serve status`` as the head sees them (for a failure's message)."""
-        out = self.lab.ssh(self.head, f"export RAY_AUTH_MODE=token; {INSTALL}/.venv/bin/ray status; "
+        out = self.lab.ssh(self.head, f"{CLIENT_ENV}{INSTALL}/.venv/bin/ray status; "
                                       f"{INSTALL}/.venv/bin/serve status", timeout=120)
         return (out.stdout + out.stderr)[-6000:]
 
     def on_head(self, python: str, timeout_s: float = 120) -> Any:
         """Run ``python`` on the head with the checkout's interpreter, inside the cluster (``ray.init``
         with the token), and return what it printed last, parsed as JSON."""
-        script = f"import json, ray\nray.init(address='auto', logging_level='ERROR')\n{python}"
-        out = self.lab.ssh(self.head, f"RAY_AUTH_MODE=token {INSTALL}/.venv/bin/python - <<'PY'\n{script}\nPY",
+        # log_to_driver off: the autoscaler's event log would otherwise print to this driver's stdout.
+        script = f"import json, ray\nray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n{python}"
+        out = self.lab.ssh(self.head, f"{CLIENT_ENV}{INSTALL}/.venv/bin/python - <<'PY'\n{script}\nPY",
                            timeout=timeout_s)
         if out.returncode != 0:
             raise RuntimeError(f"on the head: {out.stderr[-3000:]}")

@@ -8,10 +8,11 @@ workers' start commands — the same way for every file, so the commands the hos
 ``ray up`` (tests/lab) are the shipped files' commands. A file differs from another only in its
 ``provider``, ``auth``, node types and which Serve config the head deploys.
 
-Roles. A node advertises the custom resources of the roles it may host (``cluster.placement``): on a cloud
-provider they are the node type's ``resources``; Ray's ``local`` provider has one node type for all its
-hosts, so there ``host_resources`` names each host's resources by its address, and the worker start command
-picks its own from the addresses the host has (``hostname -I``).
+Roles. A node advertises the custom resources of the roles it may host (``cluster.placement``): its node
+type's ``resources``, which the launcher exports to ``ray start``. On machines you already have, a node type
+is a pool of hosts by address (``HostPool``), started by ``deployments.host_pools`` (Ray's ``local``
+provider, which knows one node type only, with a pool per node type): the autoscaler takes a free host of
+the draft pool when a draft replica waits for one, and gives an idle one back.
 
 No Ray import: the tests that check the shipped files run without a cluster.
 """
@@ -19,14 +20,13 @@ No Ray import: the tests that check the shipped files run without a cluster.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.placement import REFERENCE_NODES, NodeType
 from tools.serve_config import REPO, RENDERED, dump_yaml, write_or_check
+from tools.tls_certs import FILES as TLS_FILES
 
 INSTALL = "~/specserve"  # the checkout on every node (file_mounts copies it), with its .venv
 RAY = f"{INSTALL}/.venv/bin/ray"
@@ -39,6 +39,19 @@ SETUP = f"cd {INSTALL} && bash scripts/setup_env.sh"
 LOGIN_PATH = ("grep -qs 'specserve/.venv/bin' ~/.profile || "
               "echo 'export PATH=\"$HOME/specserve/.venv/bin:$PATH\"' >> ~/.profile")
 RAY_ENV = "export RAY_AUTH_MODE=token TOKENIZERS_PARALLELISM=false; ulimit -n 65536\n"
+TLS_DIR = "~/.ray/tls"  # tools.tls_certs.FILES on every node, when the cluster uses Ray's TLS
+
+
+def tls_env() -> str:
+    """What every Ray process of a TLS cluster (nodes and clients alike) needs in its environment."""
+    home = TLS_DIR.replace("~", "$HOME", 1)
+    return (f"export RAY_USE_TLS=1 RAY_TLS_SERVER_CERT={home}/node.crt RAY_TLS_SERVER_KEY={home}/node.key "
+            f"RAY_TLS_CA_CERT={home}/ca.crt\n")
+
+
+def tls_mounts(local_dir: str = TLS_DIR) -> dict[str, str]:
+    """file_mounts for the three TLS files: node path → the operator's copy under ``local_dir``."""
+    return {f"{TLS_DIR}/{f}": f"{local_dir}/{f}" for f in TLS_FILES}
 
 
 @dataclass(frozen=True)
@@ -52,24 +65,22 @@ class LaunchFile:
     header: str = ""  # comment lines at the top of the file
     node_types: Sequence[NodeType] = ()  # cloud providers; the first is the head's
     node_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # node type → node_config
-    host_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # local: worker address → resources
-    head_resources: Mapping[str, float] = field(default_factory=dict)  # local: the head's role resources
-    idle_timeout_minutes: int | None = None
+    idle_timeout_minutes: float | None = None
+    tls: bool = False  # Ray's mutual TLS between all processes; ``mounts`` must then hold ``tls_mounts()``
     mounts: Mapping[str, str] = field(default_factory=lambda: {RAY_TOKEN: RAY_TOKEN, API_KEY: API_KEY})
     initialization_commands: Sequence[str] = ()
     head_setup_commands: Sequence[str] = ()
     worker_setup_commands: Sequence[str] = ()
 
 
-def head_start_commands(serve_config: str, *, local: bool, resources: Mapping[str, float] | None = None) -> list[str]:
+def head_start_commands(serve_config: str, *, local: bool, env: str = RAY_ENV) -> list[str]:
     # Ray 2.60's v2 autoscaler with the local provider counts the head as one of the workers and then stops
     # launching the rest (seen in the host lab); the v1 autoscaler records the head and starts them all.
     v1 = "export RAY_enable_autoscaler_v2=0\n" if local else ""
-    role = f" --resources={shlex.quote(json.dumps(dict(resources), sort_keys=True))}" if resources else ""
     return [
         f"{RAY} stop",
-        f"{RAY_ENV}{v1}{RAY} start --head --port={GCS_PORT} --object-manager-port={OBJECT_MANAGER_PORT} "
-        f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1{role}",
+        f"{env}{v1}{RAY} start --head --port={GCS_PORT} --object-manager-port={OBJECT_MANAGER_PORT} "
+        f"--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=127.0.0.1",
         # Retried while the dashboard, which `serve deploy` talks to, comes up; replicas then wait for the
         # worker nodes the autoscaler is starting.
         f"export RAY_AUTH_MODE=token\nfor i in $(seq 30); do\n  {SERVE} deploy {_in_install(serve_config)} && exit 0\n"
@@ -77,26 +88,13 @@ def head_start_commands(serve_config: str, *, local: bool, resources: Mapping[st
     ]
 
 
-def worker_start_commands(host_resources: Mapping[str, Mapping[str, float]]) -> list[str]:
+def worker_start_commands(env: str = RAY_ENV) -> list[str]:
     start = f"{RAY} start --address=$RAY_HEAD_IP:{GCS_PORT} --object-manager-port={OBJECT_MANAGER_PORT}"
-    if not host_resources:
-        return [f"{RAY} stop", f"{RAY_ENV}{start}"]
-    by_resources: dict[str, list[str]] = {}
-    for address, resources in host_resources.items():
-        by_resources.setdefault(json.dumps(dict(resources), sort_keys=True), []).append(address)
-    # ``hostname -I`` lists the host's addresses; padded with spaces, one matches as a whole word.
-    cases = "".join(f"  {'|'.join(_word(a) for a in addresses)}) RES={shlex.quote(resources)};;\n"
-                    for resources, addresses in by_resources.items())
-    pick = f'case " $(hostname -I) " in\n{cases}  *) RES={{}};;\nesac\n'
-    return [f"{RAY} stop", f'{RAY_ENV}{pick}{start} --resources="$RES"']
+    return [f"{RAY} stop", f"{env}{start}"]
 
 
 def _in_install(path: str) -> str:
     return path if path.startswith("/") else f"{INSTALL}/{path}"
-
-
-def _word(address: str) -> str:
-    return '*" ' + address + ' "*'
 
 
 def cluster_file(spec: LaunchFile) -> dict[str, Any]:
@@ -128,10 +126,12 @@ def cluster_file(spec: LaunchFile) -> dict[str, Any]:
     doc["setup_commands"] = [SETUP, LOGIN_PATH]
     doc["head_setup_commands"] = list(spec.head_setup_commands)
     doc["worker_setup_commands"] = list(spec.worker_setup_commands)
-    doc["head_start_ray_commands"] = head_start_commands(spec.serve_config, local=spec.provider["type"] == "local",
-                                                         resources=spec.head_resources)
-    doc["worker_start_ray_commands"] = (worker_start_commands(spec.host_resources)
-                                        if spec.node_types or spec.provider.get("worker_ips") else [])
+    if spec.tls and not set(tls_mounts()) <= set(spec.mounts):
+        raise ValueError(f"{spec.cluster_name}: tls needs the TLS files in its mounts ({sorted(tls_mounts())})")
+    env = RAY_ENV + (tls_env() if spec.tls else "")
+    on_prem_hosts = spec.provider["type"] in ("local", "external")
+    doc["head_start_ray_commands"] = head_start_commands(spec.serve_config, local=on_prem_hosts, env=env)
+    doc["worker_start_ray_commands"] = worker_start_commands(env) if spec.node_types else []
     return doc
 
 
@@ -145,16 +145,44 @@ def _ints(resources: Mapping[str, float]) -> dict[str, int]:
     return {k: int(v) for k, v in resources.items()}  # Ray's schema: whole numbers per node
 
 
-def on_prem(cluster_name: str, serve_config: str, head_ip: str, roles: Mapping[str, Mapping[str, float]], *,
+@dataclass(frozen=True)
+class HostPool:
+    """A node type of hosts you already have: each advertises ``resources``; ``min_hosts`` of them run from
+    ``ray up`` on, the rest are started by the autoscaler when a replica waits for them."""
+
+    name: str
+    resources: Mapping[str, float]
+    hosts: Sequence[str]
+    min_hosts: int | None = None  # None: all of them
+
+
+HOST_POOL_PROVIDER = "deployments.host_pools.HostPoolProvider"  # deployments.host_pools.MODULE (it imports Ray)
+
+
+def on_prem(cluster_name: str, serve_config: str, head_ip: str, pools: Sequence[HostPool], *,
             ssh_user: str, ssh_private_key: str, header: str = "",
-            mounts: Mapping[str, str] | None = None, head_resources: Mapping[str, float] | None = None) -> LaunchFile:
-    """Machines you already have (Ray's ``local`` provider): a head and workers by address, each worker with
-    the role resources in ``roles``, the head with ``head_resources``. The host lab's files are these, with
-    the lab's addresses and key."""
-    return LaunchFile(cluster_name, serve_config, header=header,
-                      provider={"type": "local", "head_ip": head_ip, "worker_ips": list(roles)},
+            mounts: Mapping[str, str] | None = None, head_resources: Mapping[str, float] | None = None,
+            tls: bool = False, idle_timeout_minutes: float | None = None) -> LaunchFile:
+    """Machines you already have, reached by SSH: a head by address and worker ``pools``, the head
+    advertising ``head_resources``; with ``tls``, Ray's mutual TLS between them (``mounts`` then defaults
+    to the token, the API key and ``tls_mounts()``). No pools: Ray's own ``local`` provider, the head alone.
+    The host lab's files are these, with the lab's addresses and key."""
+    if mounts is None and tls:
+        mounts = {RAY_TOKEN: RAY_TOKEN, API_KEY: API_KEY, **tls_mounts()}
+    workers = [h for p in pools for h in p.hosts]
+    if len(set(workers)) != len(workers) or head_ip in workers:
+        raise ValueError(f"{cluster_name}: a host is in more than one pool, or is the head: {workers}")
+    provider: dict[str, Any] = {"type": "local", "head_ip": head_ip, "worker_ips": []}
+    node_types, node_configs = (), {}
+    if pools:
+        provider = {"type": "external", "module": HOST_POOL_PROVIDER, "head_ip": head_ip, "worker_ips": workers}
+        node_types = (NodeType("head", dict(head_resources or {})),
+                      *(NodeType(p.name, dict(p.resources), max_count=len(p.hosts),
+                                 min_count=len(p.hosts) if p.min_hosts is None else p.min_hosts) for p in pools))
+        node_configs = {"head": {}, **{p.name: {"hosts": list(p.hosts)} for p in pools}}
+    return LaunchFile(cluster_name, serve_config, header=header, tls=tls, provider=provider,
                       auth={"ssh_user": ssh_user, "ssh_private_key": ssh_private_key},
-                      host_resources=roles, head_resources=dict(head_resources or {}),
+                      node_types=node_types, node_configs=node_configs, idle_timeout_minutes=idle_timeout_minutes,
                       **({"mounts": dict(mounts)} if mounts is not None else {}))
 
 
@@ -192,21 +220,24 @@ Then: ray up cluster/launch/reference-4xh200.yaml   (docs/platform.md: checks, u
 
 ON_PREM = on_prem(
     "specserve-on-prem", RENDERED["cluster/examples/h200.yaml"], "192.0.2.10",
-    {**{f"192.0.2.{i}": {"specserve_target": 8} for i in range(11, 15)},
-     **{f"192.0.2.{i}": {"specserve_draft": 4} for i in range(21, 23)}},
-    ssh_user="ubuntu", ssh_private_key="~/.ssh/id_ed25519",
+    [HostPool(n.name, n.custom, hosts, min_hosts=n.min_count) for n, hosts in zip(
+        REFERENCE_NODES[1:], ([f"192.0.2.{i}" for i in range(11, 15)], [f"192.0.2.{i}" for i in range(21, 23)]))],
+    ssh_user="ubuntu", ssh_private_key="~/.ssh/id_ed25519", tls=True, idle_timeout_minutes=10,
     header=f"""
-specserve on machines you already have (Ray's `local` provider, reached by SSH): the reference layout of
+specserve on machines you already have (reached by SSH, one pool of hosts per node type): the layout of
 cluster/launch/reference-4xh200.yaml on your own hosts. REPLACE the addresses: head_ip hosts Ray's control
-plane, the router and the HTTP API; the first four worker_ips are 8 x H200 hosts (specserve_target: 8),
-the last two 4 x L4 hosts for the draft pool (specserve_draft: 4). Each worker finds its role resources by
-its own address in its start command. Every host needs Python >= 3.11 with venv, rsync, the NVIDIA driver,
-and the model folders /models/target and /models/draft.
+plane, the router and the HTTP API; each node type lists its hosts in node_config.hosts (and all of them
+again in worker_ips): four 8 x H200 hosts (specserve_target: 8), started by `ray up`, and two 4 x L4 hosts
+for the draft pool (specserve_draft: 4), the first started by `ray up`, the second by the autoscaler when
+draft replicas wait for room (deployments/host_pools.py). Every host needs Python >= 3.11 with venv,
+rsync, the NVIDIA driver, and the model folders /models/target and /models/draft. Ray's traffic between the hosts is mutual TLS
+(RAY_USE_TLS): every process needs a certificate signed by the cluster's CA.
 {_PREPARE}
+  python scripts/make_tls_certs.py {TLS_DIR} 192.0.2.10 192.0.2.11 ...   # CA and node certificate, every host listed
 Then: ray up cluster/launch/on-prem-h200.yaml   (docs/platform.md: checks, updates, teardown).""")
 
 SINGLE_NODE = on_prem(
-    "specserve-single", RENDERED["cluster/examples/single-node.yaml"], "192.0.2.10", {},
+    "specserve-single", RENDERED["cluster/examples/single-node.yaml"], "192.0.2.10", [],
     ssh_user="ubuntu", ssh_private_key="~/.ssh/id_ed25519",
     header=f"""
 specserve on one GPU box with `ray up` (Ray's `local` provider: a machine you already have, reached by SSH).

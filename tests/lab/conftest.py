@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,30 @@ def lab_skip_reason(prefix: str) -> str | None:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def net_namespace_ids(prefix: str) -> set[str]:
+    """The kernel's ids (``net:[inode]``) of the lab's network namespaces, as /proc/PID/ns/net names them."""
+    return {f"net:[{os.stat(path).st_ino}]" for path in Path("/run/netns").glob(prefix + "-*")}
+
+
+def leftovers(prefix: str, namespace_ids: set[str] = frozenset()) -> list[str]:
+    """Anything carrying ``prefix``, read straight from ip, /proc and /tmp (not through tools.hostlab), and
+    any process still in one of ``namespace_ids`` (a Ray process on a lab host names no prefix)."""
+    found = [f"netns {line}" for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+             .stdout.splitlines() if prefix in line]
+    found += [f"link {line}" for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
+              .stdout.splitlines() if prefix in line]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            net = os.readlink(proc / "ns" / "net")
+        except OSError:
+            continue
+        if (prefix in cmdline or net in namespace_ids) and int(proc.name) != os.getpid():
+            found.append(f"process {proc.name} ({net}): {cmdline}")
+    found += [f"dir {p}" for p in Path("/tmp").glob(prefix + "-*")]
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.conftest import LIFECYCLE_NET, LIFECYCLE_PREFIX
+from tests.lab.conftest import LIFECYCLE_NET, LIFECYCLE_PREFIX, leftovers
 from tools.hostlab import NETEM_MISSING, HostLab, NetemUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,23 +41,6 @@ def connect(address, timeout_s=1.0) -> str:
         return "refused"
     except OSError:  # timed out, unreachable
         return "silent"
-
-
-def leftovers(prefix: str) -> list[str]:
-    """Anything carrying ``prefix``, read straight from ip, /proc and /tmp (not through tools.hostlab)."""
-    found = [f"netns {line}" for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-             .stdout.splitlines() if prefix in line]
-    found += [f"link {line}" for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True)
-              .stdout.splitlines() if prefix in line]
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if prefix in cmdline and int(proc.name) != os.getpid():
-            found.append(f"process {proc.name}: {cmdline}")
-    found += [f"dir {p}" for p in Path("/tmp").glob(prefix + "-*")]
-    return found
 
 
 def test_hosts_reach_each_other_and_this_machine(lab):

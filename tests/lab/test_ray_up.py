@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.lab.conftest import lab_skip_reason
+from tests.lab.conftest import lab_skip_reason, leftovers, net_namespace_ids
 from tools.hostlab import HostLab
 from tools.lab_cluster import LabCluster, RAY_CLI
+from tools.ray_launch import tls_env
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -31,15 +32,16 @@ PROMPTS = 50  # × 4 ways of asking = 200 requests
 MAX_TOKENS = 16
 SEED = 2024
 PARTITION_S = 20
+IDLE_MINUTES = 0.5  # the lab's idle_timeout_minutes: a spare draft host idle this long goes back
 
 
 @pytest.fixture(scope="module")
 def cluster():
     if reason := lab_skip_reason(PREFIX):
         pytest.skip(reason)
-    lab = HostLab(5, prefix=PREFIX, net=NET, home_links=LabCluster.HOME_LINKS).start()
+    lab = HostLab(6, prefix=PREFIX, net=NET, home_links=LabCluster.HOME_LINKS).start()
     try:
-        c = LabCluster(lab, targets=2, drafts=1)
+        c = LabCluster(lab, targets=2, drafts=1, spare_drafts=1, idle_timeout_minutes=IDLE_MINUTES)
         t0 = time.monotonic()
         up = c.up()
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
@@ -53,16 +55,20 @@ def cluster():
         # the set-up commands gave that shell.
         assert "raylet" not in lab.ssh(c.head, "ps -eo comm").stdout
     finally:
+        namespaces = net_namespace_ids(PREFIX)
         lab.close()
+    # Nothing of the lab or of the Ray cluster on it is left: no namespace, link, directory or process.
+    assert len(namespaces) == 6 and leftovers(PREFIX, namespaces) == []
 
 
 def test_ray_up_places_each_role_on_its_hosts(cluster):
     nodes = cluster.node_hosts()
-    members = [cluster.head, *cluster.targets, *cluster.drafts]
-    assert set(nodes) == {h.address for h in members}, nodes
+    started = [cluster.head, *cluster.targets, *cluster.drafts[:cluster.min_drafts]]  # the spare waits
+    assert set(nodes) == {h.address for h in started}, nodes
+    assert nodes[cluster.head.address].get("specserve_front") == 1
     for h in cluster.targets:
         assert nodes[h.address].get("specserve_target") == 1
-    for h in cluster.drafts:
+    for h in cluster.drafts[:cluster.min_drafts]:
         assert nodes[h.address].get("specserve_draft") == 1
     actors = cluster.actor_hosts()
     ranks = actors["VerifierRankActor"]
@@ -133,10 +139,20 @@ def test_an_outsider_reaches_the_ports_but_nothing_without_the_token_and_key(clu
     assert "open" in _from_outsider(cluster, f"{probe} {head} 6379").stdout  # the GCS port answers...
     wrong = tmp_path / "wrong_token"
     wrong.write_text("0" * 64)
-    # ...but a GCS attach with another token, or with none, is refused
-    for env in (f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={wrong}", "RAY_AUTH_MODE=disabled"):
+    tls = " ".join(tls_env().removeprefix("export ").split()).replace("$HOME/.ray/tls", str(cluster.tls_dir))
+    # ...but a GCS attach is refused: in plaintext (Ray's TLS), and even with the cluster's own certificates
+    # (as if stolen) without its token.
+    # (A plaintext client retries its handshake for ~40 s before it gives up: one such attempt.)
+    for env in ("RAY_AUTH_MODE=disabled", f"{tls} RAY_AUTH_MODE=disabled",
+                f"{tls} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={wrong}"):
+        t0 = time.monotonic()
         out = _from_outsider(cluster, f"{env} timeout 60 {RAY_CLI} status --address={head}:6379")
+        print(f"outsider `ray status` with {env.replace(str(cluster.dir), '<lab>')}: exit {out.returncode} "
+              f"after {time.monotonic() - t0:.1f} s")
         assert out.returncode != 0 and "specserve_target" not in out.stdout, out.stdout + out.stderr
+    # The cluster's own client on the head, with the token and the certificates, is let in.
+    # (the spare draft host may have joined already: the 200 requests can grow the pool)
+    assert cluster.on_head("print(json.dumps(sum(n['Alive'] for n in ray.nodes())))") >= 1 + 2 + cluster.min_drafts
     # The dashboard (job submission, `serve deploy`) listens on the head's loopback only.
     assert "open" not in _from_outsider(cluster, f"{probe} {head} 8265").stdout
     serve_cli = RAY_CLI.replace("/ray", "/serve")
@@ -240,8 +256,16 @@ def steady(cluster):
 FAULTS: dict[str, dict[str, float]] = {}  # what each fault showed, printed at the end of the module
 
 
+def _draft_host(cluster):
+    """The draft host that holds the pool's replicas (at rest and under the faults' light traffic they fit
+    one host: specserve_draft 0.5 each, one per host)."""
+    hosts = set(cluster.actor_hosts()["ServeReplica:specserve:DraftPool"])
+    assert len(hosts) == 1, hosts
+    return next(h for h in cluster.drafts if h.address in hosts)
+
+
 def test_a_killed_draft_host_loses_no_request_and_the_pool_returns_with_the_host(cluster, steady):
-    draft = cluster.drafts[0]
+    draft = _draft_host(cluster)
     with Traffic(cluster, *steady) as traffic:
         time.sleep(5)
         t0 = time.monotonic()
@@ -255,11 +279,11 @@ def test_a_killed_draft_host_loses_no_request_and_the_pool_returns_with_the_host
                                    "requests": traffic.ok, "wrong": traffic.wrong, "failed": len(traffic.errors)}
     print(FAULTS)
     assert traffic.errors == [] and traffic.wrong == 0 and traffic.ok > 0
-    assert draft.address in cluster.node_hosts()
+    assert {h.address for h in cluster.drafts} & set(cluster.node_hosts())  # the pool has a host again
 
 
 def test_b_a_partitioned_draft_host_loses_no_request_and_rejoins_after_the_heal(cluster, steady):
-    draft = cluster.drafts[0]
+    draft = _draft_host(cluster)
     with Traffic(cluster, *steady) as traffic:
         time.sleep(5)
         cluster.lab.link_down(draft)  # its processes live on, cut off from the rest of the cluster
@@ -296,3 +320,58 @@ def test_c_a_killed_target_host_ends_streams_cleanly_and_the_group_is_rebuilt_wh
     # declares the rank dead (tens of seconds).
     assert down <= 2
     assert sorted(cluster.actor_hosts()["VerifierRankActor"]) == sorted(h.address for h in cluster.targets)
+
+
+def _pool(cluster) -> tuple[int, set[str]]:
+    """The draft pool's running replicas and the draft hosts in the cluster, as the head sees them."""
+    return tuple(cluster.on_head(
+        "from ray import serve\n"
+        "d = serve.status().applications['specserve'].deployments['DraftPool']\n"
+        f"drafts = {sorted(h.address for h in cluster.drafts)}\n"
+        "hosts = [n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] in drafts]\n"
+        "print(json.dumps([d.replica_states.get('RUNNING', 0), hosts]))"))
+
+
+def _wait_pool(cluster, replicas: int, hosts: int, timeout_s: float, log: list, *, at_least: bool = False) -> float:
+    """Seconds until the pool runs ``replicas`` replicas (or more, ``at_least``) on ``hosts`` draft hosts;
+    every change is logged."""
+    t0, last = time.monotonic(), None
+    while time.monotonic() - t0 < timeout_s:
+        running, up = _pool(cluster)
+        if (running, len(up)) != last:
+            last = (running, len(up))
+            log.append((round(time.monotonic() - t0, 1), running, len(up)))
+        if (running >= replicas if at_least else running == replicas) and len(up) == hosts:
+            return time.monotonic() - t0
+        time.sleep(2)
+    raise TimeoutError(f"draft pool not at {replicas} replicas on {hosts} hosts in {timeout_s} s: {log}\n"
+                       f"{cluster.diagnosis()}")
+
+
+def test_the_draft_pool_scales_onto_a_spare_host_under_load_and_back_when_idle(cluster, steady):
+    """A ramp of clients: Serve adds draft replicas as the parts in flight grow (draft_pool.batch_size rows
+    per call), Ray's autoscaler starts the spare draft host over SSH when they no longer fit, and both go
+    back once the load is gone. Every answer identical to the in-process engine's, none failed."""
+    auto = cluster.cfg.draft_pool.autoscaling
+    low = auto.min_replicas
+    _wait_pool(cluster, low, cluster.min_drafts, 240, [])  # at rest after the faults
+    up_log, down_log = [], []
+    t0 = time.monotonic()
+    # More replicas than one draft host holds (it advertises specserve_draft: 1): the spare host must join.
+    beyond_one_host = int(1 / cluster.cfg.draft_pool.resources["specserve_draft"]) + 1
+    with Traffic(cluster, *steady, clients=2) as few, Traffic(cluster, *steady, clients=10) as many:
+        # 12 clients: three parts of two rows per micro-batch in flight
+        up_s = _wait_pool(cluster, beyond_one_host, len(cluster.drafts), 300, up_log, at_least=True)
+        placed = cluster.actor_hosts()["ServeReplica:specserve:DraftPool"]
+        time.sleep(5)  # serve a while with the grown pool
+    load_s = time.monotonic() - t0
+    down_s = _wait_pool(cluster, low, cluster.min_drafts, 300, down_log)
+    FAULTS["draft pool autoscaling"] = {
+        "to_spare_host_s": round(up_s, 1), "up": up_log, "down_after_load_s": round(down_s, 1), "down": down_log,
+        "requests": few.ok + many.ok, "wrong": few.wrong + many.wrong, "failed": len(few.errors + many.errors),
+        "load_s": round(load_s, 1)}
+    print(FAULTS)
+    assert few.errors == many.errors == [] and few.wrong == many.wrong == 0 and few.ok + many.ok > 0
+    # Each replica on a draft host, the spare among them (one host holds two)
+    assert beyond_one_host <= len(placed) <= auto.max_replicas, placed
+    assert set(placed) == {h.address for h in cluster.drafts}, placed

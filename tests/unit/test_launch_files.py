@@ -10,6 +10,7 @@ the KubeRay manifests are rendered from) and must be able to place the config th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -138,15 +139,25 @@ def test_launch_files_are_what_the_renderer_writes() -> None:
         assert (REPO / path).read_text(encoding="utf-8") == render(spec), f"{path} is stale: run scripts/render_launch.py"
 
 
-def test_on_prem_workers_pick_their_role_resources_by_address(tmp_path) -> None:
-    """The local provider gives every worker one start command; each host's own addresses choose its roles."""
-    start = next(c for c in load("on-prem-h200.yaml")["worker_start_ray_commands"] if "ray start" in c)
-    cases = start[start.index("case "):start.index("esac") + len("esac")] + "\n"  # the `case` that sets RES
-    for addresses, want in (("192.0.2.12", {"specserve_target": 8}), ("10.1.1.1 192.0.2.22", {"specserve_draft": 4}),
-                            ("192.0.2.120", {}), ("192.0.2.1", {})):
-        script = cases.replace("$(hostname -I)", addresses) + 'printf %s "$RES"'
-        out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
-        assert json.loads(out) == want, (addresses, out)
+def test_on_prem_node_types_are_pools_of_hosts_that_advertise_their_roles() -> None:
+    """One node type per role, its hosts by address; the launcher exports the type's resources to `ray
+    start` (RAY_OVERRIDE_RESOURCES), so the start command names none itself."""
+    raw = load("on-prem-h200.yaml")
+    provider, types = raw["provider"], raw["available_node_types"]
+    assert provider["type"] == "external" and provider["module"] == "deployments.host_pools.HostPoolProvider"
+    pools = {name: t["node_config"]["hosts"] for name, t in types.items() if name != raw["head_node_type"]}
+    assert sorted(h for hosts in pools.values() for h in hosts) == sorted(provider["worker_ips"])
+    assert types["verifier_h200"]["resources"]["specserve_target"] == 8 and len(pools["verifier_h200"]) == 4
+    assert types["draft_l4"]["resources"]["specserve_draft"] == 4
+    assert (types["draft_l4"]["min_workers"], types["draft_l4"]["max_workers"]) == (1, 2)  # one spare
+    assert not [c for c in raw["worker_start_ray_commands"] if "--resources" in c]
+
+
+def test_the_provider_module_the_files_name_is_the_one_in_deployments() -> None:
+    from deployments.host_pools import MODULE
+    from tools.ray_launch import HOST_POOL_PROVIDER
+
+    assert HOST_POOL_PROVIDER == MODULE
 
 
 def test_renderer_and_validator_name_the_same_app() -> None:
@@ -210,6 +221,28 @@ def test_token_auth_and_api_key_on_every_node(name: str) -> None:
     assert not [c for c in all_commands(raw) if "api_key" in c]
     for cmd in (c for c in all_commands(raw) if "serve deploy" in c):
         assert "RAY_AUTH_MODE=token" in cmd, cmd
+
+
+def test_on_prem_hosts_speak_ray_over_mutual_tls_with_the_mounted_certificates() -> None:
+    """Every Ray process the on-prem file starts has RAY_USE_TLS and the three files the launcher copies."""
+    raw = load("on-prem-h200.yaml")
+    starts = [c for c in raw["head_start_ray_commands"] + raw["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2
+    for cmd in starts:
+        line = next(line for line in cmd.splitlines() if "RAY_USE_TLS" in line)
+        env = dict(w.split("=", 1) for w in line.split()[1:])
+        assert env["RAY_USE_TLS"] == "1", cmd
+        for var, file in (("RAY_TLS_CA_CERT", "ca.crt"), ("RAY_TLS_SERVER_CERT", "node.crt"),
+                          ("RAY_TLS_SERVER_KEY", "node.key")):
+            assert env[var] == f"$HOME/.ray/tls/{file}" and f"~/.ray/tls/{file}" in raw["file_mounts"], var
+    assert "ca.key" not in str(raw["file_mounts"])  # the CA's key never leaves the operator's machine
+    assert "RAY_USE_TLS" not in str(load("single-node.yaml"))  # one host: no traffic between hosts
+
+
+def test_tls_without_its_files_mounted_is_refused() -> None:
+    spec = dataclasses.replace(SHIPPED["cluster/launch/on-prem-h200.yaml"], mounts={})
+    with pytest.raises(ValueError, match="tls needs the TLS files"):
+        render(spec)
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCH_FILES))
