@@ -108,7 +108,9 @@ class StageClient:
         replica that holds its draft KV) while the part has room in this call; the others fill the lowest
         parts with room. So the pool's load grows with the rows in flight, not only with the micro-batches,
         and a replica Serve adds under load takes the parts no replica holds yet."""
-        cap = self.draft_rows or max(1, len(items))
+        if self.draft_rows is None:  # one call per micro-batch: nothing to place or remember
+            return [(0, list(items))]
+        cap = self.draft_rows
         part_of, count, placed = {}, Counter(), []
         for it in items:
             part = self._part.get(it.sync.seq_id)
