@@ -21,6 +21,7 @@ from pathlib import Path
 
 FILES = ("ca.crt", "node.crt", "node.key")  # what a node needs; ca.key stays where it was made
 DAYS = 825  # the longest validity common TLS clients accept for a leaf certificate
+NEW_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")  # P-256, unencrypted
 
 
 def make_certs(out: Path, addresses: Sequence[str], *, name: str = "specserve") -> dict[str, Path]:
@@ -32,12 +33,11 @@ def make_certs(out: Path, addresses: Sequence[str], *, name: str = "specserve") 
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     ca_key, ca_crt, key, crt = (out / f for f in ("ca.key", "ca.crt", "node.key", "node.crt"))
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", ca_key, "-out", ca_crt, "-days", DAYS, "-subj", f"/CN={name} Ray CA")
+    _openssl("req", "-x509", *NEW_KEY, "-keyout", ca_key, "-out", ca_crt, "-days", DAYS,
+             "-subj", f"/CN={name} Ray CA")
     with tempfile.TemporaryDirectory() as tmp:
         csr, ext = Path(tmp) / "node.csr", Path(tmp) / "san.ext"
-        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", key, "-out", csr, "-subj", f"/CN={name} Ray node")
+        _openssl("req", *NEW_KEY, "-keyout", key, "-out", csr, "-subj", f"/CN={name} Ray node")
         sans = ",".join([*(f"IP:{ip}" for ip in dict.fromkeys([*ips, "127.0.0.1"])), "DNS:localhost"])
         ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
         _openssl("x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key, "-CAcreateserial",
