@@ -200,6 +200,11 @@ def test_close_leaves_nothing(make_lab):
     lab.close()  # twice is fine
 
 
+def names_any(item: str, *names: str) -> bool:
+    """Whether ``item`` names one of ``names`` whole: a lab dir /tmp/spec-t2-x1b2c3 does not name spec-t2-x."""
+    return any(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", item) for name in names)
+
+
 def test_the_next_lab_cleans_up_after_a_killed_one(make_lab):
     prefix = LIFECYCLE_PREFIX
     # A real killed run: the CLI brings a lab up and is SIGKILLed, leaving its sshd, namespace, links, dir.
@@ -224,7 +229,7 @@ def test_the_next_lab_cleans_up_after_a_killed_one(make_lab):
     with make_lab(1) as lab:
         assert sleeper.wait(timeout=10) == -signal.SIGKILL
         now = leftovers(prefix)
-        assert not [item for item in now if "-h7" in item or f"{prefix}-x" in item], now
+        assert not [item for item in now if names_any(item, f"{prefix}-h7", f"{prefix}-x")], now
         assert not set(before) & {i for i in now if i.startswith(("process", "dir"))}, now  # old sshd, old dir
         assert lab.ssh(lab.hosts[0], "true").returncode == 0
     assert leftovers(prefix) == []
