@@ -18,8 +18,9 @@ per scenario, at batch 1 and in one run:
   pass of every fixed-γ chain and every fixed draft-model tree, the best of each and their ratio, and the
   tokens/s of the automatic shape (the adaptive policy choosing chain or tree per step, ``--auto-tree-nodes``)
   beside the adaptive chain's;
-- a batch row (``--batch``, default 16): plain vs speculative throughput of the engine over all prompts,
-  with and without the goodput guard;
+- batch rows (``--batch``, default 1,2,4,8,16): plain vs speculative throughput of the engine over all
+  prompts at each batch size, with and without the goodput guard, and each fixed γ of the sweep; the
+  gains are the median over ``--repeats`` interleaved rounds;
 - every speculative output checked token-identical to plain greedy decoding (counts shown), and the
   engine's plain output compared with HF's.
 
@@ -42,7 +43,7 @@ the order they first appear; ``--prompts N`` keeps the first N of each.
 
     python scripts/bench_scenarios.py [--target DIR --draft DIR] [--prompts-file F.jsonl] [--chat]
         [--prompts 24] [--max-tokens 64] [--fixed-gammas 1-8] [--trees 4:16,6:32,8:64] [--auto-tree-nodes 64]
-        [--batch 16] [--skip-hf] [--out DIR]
+        [--batch 1,2,4,8,16] [--skip-hf] [--out DIR]
     specserve bench scenarios -- --prompts 8
 
 ``--structured`` runs the structured-outputs benchmark instead (``evaluation/structured.py``).
@@ -129,6 +130,19 @@ def encode(row: dict, tok, chat: bool) -> dict:
     # The template writes the special tokens itself (BOS, role markers): do not add them a second time.
     return {"id": row.get("id"), "text": text, "ids": tok(text, add_special_tokens=False)["input_ids"],
             "continues": ""}
+
+
+def parse_batches(spec: str) -> list[int]:
+    """"1,2,4,8,16" or "none"."""
+    if spec.strip().lower() in ("", "none", "0"):
+        return []
+    try:
+        out = [int(part) for part in spec.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"batch sizes are comma-separated integers, got {spec!r}") from e
+    if any(b < 1 for b in out):
+        raise argparse.ArgumentTypeError(f"batch sizes must be ≥ 1, got {spec!r}")
+    return out
 
 
 def parse_gammas(spec: str) -> list[int]:
@@ -227,7 +241,8 @@ def main() -> int:
     parser.add_argument("--auto-tree-nodes", type=int, default=64,
                         help="largest tree of the automatic shape run (0: no such run)")
     parser.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    parser.add_argument("--batch", type=int, default=16, help="batch size of the throughput row (0: no row)")
+    parser.add_argument("--batch", type=parse_batches, default="1,2,4,8,16",
+                        help='batch sizes of the throughput rows, comma-separated, or "none"')
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every prompt this many times and time each run by its fastest (shared machines)")
@@ -237,8 +252,8 @@ def main() -> int:
                         help="structured outputs instead (evaluation/structured.py): JSON schema, regex and choice "
                              "prompts, unconstrained vs constrained, plain and speculative")
     args = parser.parse_args()
-    if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1 or args.batch < 0:
-        parser.error("--prompts, --max-tokens and --repeats must be ≥ 1, --batch ≥ 0")
+    if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1:
+        parser.error("--prompts, --max-tokens and --repeats must be ≥ 1")
     if args.structured:
         from evaluation.structured import run_structured
 
@@ -382,7 +397,7 @@ def run(args) -> int:
               "fixed_identical": fixed_identical_total, "fixed_compared": compared_total * len(args.fixed_gammas)}
     if args.batch:
         all_ids = [p["ids"] for ps in prompts.values() for p in ps]
-        report["batch"] = batch_row(args, all_ids, engine, Request, tqdm)
+        report["batches"] = [batch_row(args, b, all_ids, engine, Request, tqdm) for b in args.batch]
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "scenarios.json").write_text(json.dumps(report, indent=2))
@@ -417,21 +432,27 @@ def shape_row(args, shaped: dict, tok_s: dict, outputs: dict) -> dict:
     return row
 
 
-def interleaved(runs: dict, inputs: list, repeats: int, progress) -> tuple[dict, dict]:
+def interleaved(runs: dict, inputs: list, repeats: int, progress, rounds: dict | None = None) -> tuple[dict, dict]:
     """Every input through every run in turn (the order reversed every other time), ``repeats`` times.
 
     Returns each run's outputs (of the first repeat) and its seconds: per input, the fastest of the
     repeats, so a slow spell of a shared machine that hit one run once does not count against it.
+    ``rounds``, where given, gets each run's total seconds per repeat.
     """
     outputs = {name: [] for name in runs}
     best = {name: [float("inf")] * len(inputs) for name in runs}
+    if rounds is not None:
+        rounds.update({name: [0.0] * repeats for name in runs})
     progress.reset(total=len(inputs) * repeats)
     for r in range(repeats):
         for i, x in enumerate(inputs):
             for name in (list(runs) if (i + r) % 2 == 0 else list(runs)[::-1]):
                 t0 = time.perf_counter()
                 out = runs[name](x)
-                best[name][i] = min(best[name][i], time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                best[name][i] = min(best[name][i], seconds)
+                if rounds is not None:
+                    rounds[name][r] += seconds
                 if r == 0:
                     outputs[name].append(out)
             progress.update()
@@ -439,31 +460,37 @@ def interleaved(runs: dict, inputs: list, repeats: int, progress) -> tuple[dict,
     return outputs, {name: sum(b) for name, b in best.items()}
 
 
-def batch_row(args, all_ids: list[list[int]], engine, Request, tqdm) -> dict:
-    """Every prompt, ``args.batch`` sequences at a time: plain, speculative (serve's defaults) and
-    speculative with the opt-in goodput guard, interleaved per group of prompts."""
-    engines = {"plain": engine(None, slots=args.batch), "spec": engine(args.draft, slots=args.batch),
-               "spec_guarded": engine(args.draft, slots=args.batch, guard=True)}
+def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm) -> dict:
+    """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults), speculative with
+    the opt-in goodput guard and each fixed γ of the sweep, interleaved per group of prompts. Gains are
+    the median over the repeats of each round's tokens/s ratio; tokens/s the fastest per group."""
+    engines = {"plain": engine(None, slots=batch), "spec": engine(args.draft, slots=batch),
+               "spec_guarded": engine(args.draft, slots=batch, guard=True)}
+    engines.update({f"fixed{g}": engine(args.draft, slots=batch, gamma=g) for g in args.fixed_gammas})
     # Warm-up: first-call costs, and the adaptive policy's cost model meets this batch size once.
-    warm = [Request(tuple(ids[:8]), max_tokens=32) for ids in all_ids[:args.batch]]
+    warm = [Request(tuple(ids[:8]), max_tokens=32) for ids in all_ids[:batch]]
     for eng in engines.values():
         eng.generate(warm)
         eng.stats = type(eng.stats)()
-    groups = [[Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + args.batch]]
-              for i in range(0, len(all_ids), args.batch)]
+    groups = [[Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + batch]]
+              for i in range(0, len(all_ids), batch)]
     runs = {name: (lambda group, eng=eng: [o.tokens for o in eng.generate(group)]) for name, eng in engines.items()}
+    rounds: dict = {}
     per_group, seconds = interleaved(runs, groups, args.repeats,
-                                     tqdm(desc=f"batch {args.batch}", file=sys.stderr, leave=False))
+                                     tqdm(desc=f"batch {batch}", file=sys.stderr, leave=False), rounds)
     outputs = {name: [t for group in out for t in group] for name, out in per_group.items()}
-    row = {"batch": args.batch, "prompts": len(all_ids), "groups": len(groups),
-           "identical": sum(a == b for a, b in zip(outputs["plain"], outputs["spec"])),
-           "identical_guarded": sum(a == b for a, b in zip(outputs["plain"], outputs["spec_guarded"]))}
-    for name in engines:
+    row = {"batch": batch, "prompts": len(all_ids), "groups": len(groups), "repeats": args.repeats}
+    for name, eng in engines.items():
         row[f"{name}_tok_s"] = sum(map(len, outputs[name])) / seconds[name]
-    row["mean_gamma"] = engines["spec"].stats.mean_gamma
-    row["mean_gamma_guarded"] = engines["spec_guarded"].stats.mean_gamma
-    row["gain"] = row["spec_tok_s"] / row["plain_tok_s"]
-    row["gain_guarded"] = row["spec_guarded_tok_s"] / row["plain_tok_s"]
+        if name != "plain":
+            row[f"identical_{name}"] = sum(a == b for a, b in zip(outputs["plain"], outputs[name]))
+            row[f"mean_gamma_{name}"] = eng.stats.mean_gamma
+            # Every run emits the same tokens each round, so the ratio of seconds is the ratio of tokens/s.
+            row[f"gain_{name}"] = statistics.median(p / x for p, x in zip(rounds["plain"], rounds[name]))
+    if args.fixed_gammas:
+        best = max(args.fixed_gammas, key=lambda g: row[f"fixed{g}_tok_s"])
+        row["best_fixed_gamma"] = best
+        row["spec_over_best_fixed"] = row["spec_tok_s"] / row[f"fixed{best}_tok_s"]
     return row
 
 
@@ -521,14 +548,23 @@ def markdown(report: dict) -> str:
         total = sum(r["prompts"] * (len(r["trees"]) + ("auto" in r)) for r in rows)
         lines.append(f"Trees and the automatic shape: {same}/{total} outputs identical to plain greedy decoding.")
     lines.append("")
-    b = report.get("batch")
-    if b:
-        lines.append(f"Batch {b['batch']} ({b['prompts']} prompts): plain {b['plain_tok_s']:.1f} tok/s*, "
-                     f"speculative {b['spec_tok_s']:.1f} tok/s* (gain {b['gain']:.2f}×, "
-                     f"mean γ {b['mean_gamma']:.2f}); "
-                     f"with the goodput guard {b['spec_guarded_tok_s']:.1f} tok/s* ({b['gain_guarded']:.2f}×, "
-                     f"mean γ {b['mean_gamma_guarded']:.2f}); {b['identical']}/{b['prompts']} and "
-                     f"{b['identical_guarded']}/{b['prompts']} identical to plain.")
+    if report.get("batches"):
+        head = ["batch", "plain tok/s*", "speculative", "with the goodput guard"]
+        gammas = [int(k[5:-6]) for k in report["batches"][0] if k.startswith("fixed") and k.endswith("_tok_s")]
+        head += [f"γ={g}" for g in gammas] + (["speculative / best fixed"] if gammas else []) + ["identical"]
+        lines += [f"Batches ({report['batches'][0]['prompts']} prompts; gains over plain, median of "
+                  f"{report['batches'][0]['repeats']} interleaved rounds; mean γ in brackets):", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for b in report["batches"]:
+            cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}"]
+            cells += [f"{b[f'gain_{n}']:.2f}× ({b[f'mean_gamma_{n}']:.2f})" for n in ("spec", "spec_guarded")]
+            cells += [f"{b[f'gain_fixed{g}']:.2f}×" for g in gammas]
+            if gammas:
+                cells.append(f"**{b['spec_over_best_fixed']:.2f}** (γ={b['best_fixed_gamma']})")
+            names = [n[len("identical_"):] for n in b if n.startswith("identical_")]
+            cells.append(f"{min(b[f'identical_{n}'] for n in names)}/{b['prompts']} (each run)")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
     ngram = sum(r["ngram_identical"] for r in rows)
     fixed = (f"fixed γ {report['fixed_identical']}/{report['fixed_compared']}; " if report["fixed_compared"]
              else "")

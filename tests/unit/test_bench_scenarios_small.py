@@ -40,7 +40,7 @@ def bench(*args: str, timeout: int = 280) -> subprocess.CompletedProcess:
 
 def test_small_run_writes_a_complete_report(tmp_path):
     out = tmp_path / "scen"
-    done = bench("--prompts", "2", "--max-tokens", "8", "--batch", "2", "--fixed-gammas", "1-3", "--out", str(out))
+    done = bench("--prompts", "2", "--max-tokens", "8", "--batch", "1,2", "--fixed-gammas", "1-3", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "scenarios.json").read_text())
     assert [r["scenario"] for r in report["scenarios"]] == ["json", "code", "prose"]
@@ -60,15 +60,20 @@ def test_small_run_writes_a_complete_report(tmp_path):
     assert 0 <= code["code_statement_share"] <= code["code_parse_share"] <= 1
     assert report["identical"] == report["compared"] == 6
     assert report["fixed_identical"] == report["fixed_compared"] == 18
-    batch = report["batch"]
-    assert batch["prompts"] == 6 and batch["identical"] == batch["identical_guarded"] == 6
-    assert {"plain_tok_s", "spec_tok_s", "spec_guarded_tok_s", "gain", "gain_guarded"} <= set(batch)
+    assert [b["batch"] for b in report["batches"]] == [1, 2]
+    for batch in report["batches"]:
+        runs = ["spec", "spec_guarded", "fixed1", "fixed2", "fixed3"]
+        assert batch["prompts"] == 6 and all(batch[f"identical_{n}"] == 6 for n in runs)
+        assert all(batch[f"gain_{n}"] > 0 and f"{n}_tok_s" in batch for n in runs)
+        assert batch["spec_over_best_fixed"] == pytest.approx(
+            batch["spec_tok_s"] / batch[f"fixed{batch['best_fixed_gamma']}_tok_s"])
     table = (out / "scenarios.md").read_text()
     assert table.startswith("| scenario |")
     assert "| γ=1 | γ=2 | γ=3 | best fixed γ | adaptive / best fixed |" in table
     # the scenario table, the fixed-γ table, and chain vs tree
     assert sum(line.startswith(("| json |", "| code |", "| prose |")) for line in table.splitlines()) == 9
     assert "Chain vs tree at batch 1" in table
+    assert sum(line.startswith(("| 1 |", "| 2 |")) for line in table.splitlines()) == 2  # the batch rows
     for row in report["scenarios"]:
         assert row["best_tree"] in row["trees"] and row["best_chain"] in row["chains"]
         assert all(t["identical"] == 2 for t in row["trees"].values()) and row["auto"]["identical"] == 2
@@ -82,12 +87,12 @@ def test_chat_prompts_file(tmp_path):
     embedded pair answers the JSON requests with bare JSON (no prompt opens it): judged as answers."""
     out = tmp_path / "chat"
     done = bench("--prompts-file", str(REPO / "scripts" / "prompts" / "chat.jsonl"), "--prompts", "2",
-                 "--max-tokens", "64", "--batch", "0", "--fixed-gammas", "none", "--trees", "none",
+                 "--max-tokens", "64", "--batch", "none", "--fixed-gammas", "none", "--trees", "none",
                  "--auto-tree-nodes", "0", "--skip-hf", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "scenarios.json").read_text())
     rows = {r["scenario"]: r for r in report["scenarios"]}
-    assert list(rows) == ["json", "code", "prose"] and "batch" not in report
+    assert list(rows) == ["json", "code", "prose"] and "batches" not in report
     assert all(r["format"] == "chat" and r["identical"] == 2 for r in rows.values())
     assert rows["json"]["samples"][0]["prompt"].endswith("### Assistant:\n")  # the template was applied
     assert rows["json"]["json_valid_share"] > 0
