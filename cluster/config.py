@@ -204,14 +204,6 @@ class SpeculationSpec(_Spec):
         "deterministic proposal. Costs draft compute per candidate and a wider verify; it pays where the "
         "best chain is often rejected early and the target has spare width (small batches).",
     )
-    goodput_guard: bool = Field(
-        D.GOODPUT_GUARD,
-        description="Measure committed tokens per second of speculative and of plain steps per batch-size "
-        "bucket (plain probes every few steps) and decode plainly where speculation does not pay. Exact "
-        "either way: plain steps are verify steps without drafts. Off by default: its probes cost batch-1 "
-        "gain on short runs (scripts/bench_scenarios.py reports both); meant for long-running, "
-        "high-batch services.",
-    )
     forced_tokens: bool = Field(
         D.FORCED_TOKENS,
         description="Structured outputs: where a request's grammar allows exactly one continuation for a run of "

@@ -19,7 +19,6 @@ TREE_TOP_K = 8  # children per expanded tree node, and nodes expanded per tree l
 # Candidate chains per row and step (one propose call each, on different draft replicas in a cluster),
 # merged into one token tree; 1: a single chain
 DRAFT_NUM, DRAFT_NUM_MAX = 1, 8
-GOODPUT_GUARD = False
 MAX_TOKENS = 256
 # Structured outputs (issue 31): a grammar whose source exceeds this many bytes, or whose compilation takes
 # longer than this, is refused (HTTP 400), never a stalled batch; compiled grammars kept per tokenizer

@@ -65,7 +65,7 @@ KV_MODELS = ("target", "draft")
 POSITIONS = tuple(str(i) for i in range(16))
 # Tag values of STEPS / STEP_SECONDS / STEP_TOKENS: a step is speculative when it verified a draft token.
 STEP_MODES = ("speculative", "plain")
-# Batch-size buckets (engine.goodput.batch_bucket: the next power of two of the step's rows) as tag values.
+# Batch-size buckets (runtime.runner.batch_bucket: the next power of two of the step's rows) as tag values.
 BATCH_BUCKETS = tuple(str(1 << i) for i in range(17))  # 1 … 65536 (config.MAX_BATCH_CAP)
 COMPUTE_STAGES = ("draft", "verify")
 FIDELITY_RESULTS = ("match", "mismatch")
@@ -204,7 +204,7 @@ METRICS: dict[str, MetricSpec] = {
             STEPS,
             "counter",
             "Batched verify steps by mode: speculative (verified at least one draft token) or plain "
-            "(target-only: goodput probe, fallback or gamma 0), by batch-size bucket.",
+            "(target-only: the gamma policy's plain or off steps, a fallback), by batch-size bucket.",
             tag_keys=("mode", "batch"),
         ),
         MetricSpec(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ray.util import metrics as ray_metrics
 
 from cluster import metrics as names
-from engine.goodput import batch_bucket
+from runtime.runner import batch_bucket
 from engine.stats import SpecStats
 from runtime import gpu_metrics
 

@@ -83,7 +83,7 @@ class Router:
         """Re-decodes a sample of finished greedy requests without speculation, on a one-slot plain engine of
         its own: the same target (shared weights with local stages; the same verifier replicas, on shards of
         their own, with remote ones), never the serving engine's slots."""
-        plain = dataclasses.replace(settings, draft=None, max_slots=1, micro_batches=1, goodput_guard=False)
+        plain = dataclasses.replace(settings, draft=None, max_slots=1, micro_batches=1)
         target = ({"target_model": self.engine.stages.verifier.runner.model} if self.stages is None
                   else {"stages": self._stage_client(None, verifier_handle, "fid")})
         engine = make_engine(plain, eos_token_ids=eos, detokenize=self._detokenize, **target)
@@ -290,7 +290,7 @@ class Router:
                 "shard_prefix": self.handle_routes[1].shard_prefix if self.stages is not None else None,
                 "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.service.live),
-                "goodput": self.engine.goodput.as_dict() if self.engine.goodput is not None else None}
+                "gamma_policy": self.engine.policy.as_dict()}
 
     async def kv_usage(self) -> dict:
         """KV slots in use in the verifier and the draft pool, and the cancelled-request counter.

@@ -31,7 +31,7 @@ def engine_settings(cfg: ClusterConfig, *, max_slots: int | None = None) -> Engi
         q_top_k=spec.q_top_k, ngram_min=cfg.draft.ngram_min, ngram_max=cfg.draft.ngram_max,
         acceptance=AcceptanceConfig(mode=spec.acceptance, threshold=spec.threshold or 0.9,
                                     dynamic_adjust=spec.dynamic_adjust, target_rate=spec.target_acceptance),
-        goodput_guard=spec.goodput_guard, draft_num=spec.draft_num, tree_nodes=spec.tree_nodes,
+        draft_num=spec.draft_num, tree_nodes=spec.tree_nodes,
         forced_tokens=spec.forced_tokens)
 
 

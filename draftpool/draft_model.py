@@ -15,7 +15,7 @@ the loop with its writes sent to the scratch column. Tokens, lengths and q come 
 row's first token is the draft's (b+1)-th most likely one, a sampled row draws every token from a stream
 keyed by the branch too; the chain then continues as usual.
 
-With a node budget (``tree_nodes`` > 0, or what ``tree_budget`` answers for the step) the proposal is a token
+With a node budget (``ProposeItem.nodes`` > 0: the γ policy's shape for the step) the proposal is a token
 tree instead (``ProposalBatch.parents``, issue 15), grown by ``draftpool.draft_tree.TreeGrowth``: each level
 is one batched ``ModelRunner.tree_forward`` of every row's frontier and its ancestors, with one read back of
 the frontier's top-k tokens. The forward re-feeds the tree drafted so far rather than only the new level:
@@ -35,7 +35,7 @@ batch holding a constrained row drafts chains.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -57,22 +57,16 @@ def branch_stream(branch: int) -> int:
 
 
 class DraftModelProposer:
-    """``tree_nodes``: the node budget of every step's tree (0: chains); ``tree_budget(rows, gamma, sampled)``,
-    when given, answers the budget per step instead (the γ policy's shape choice, ``engine/gamma.py``), 0
-    for a chain; ``tree_top_k``: children per expanded node and nodes expanded per level."""
+    """``tree_top_k``: children per expanded node and nodes expanded per level of a token tree."""
 
     def __init__(self, model, *, max_slots: int, max_len: int, q_top_k: int | None = None,
-                 confidence_threshold: float = 0.0, tree_nodes: int = 0,
-                 tree_budget: Callable[[int, int, bool], int] | None = None, tree_top_k: int = D.TREE_TOP_K,
-                 **runner_options):
-        if tree_nodes < 0 or tree_top_k < 1:
-            raise ValueError(f"need tree_nodes >= 0 and tree_top_k >= 1, got {tree_nodes}, {tree_top_k}")
+                 confidence_threshold: float = 0.0, tree_top_k: int = D.TREE_TOP_K, **runner_options):
+        if tree_top_k < 1:
+            raise ValueError(f"need tree_top_k >= 1, got {tree_top_k}")
         self.runner = ModelRunner(model, max_slots=max_slots, max_len=max_len, **runner_options)
         self.vocab_size = self.runner.vocab_size
         self.q_top_k = q_top_k if q_top_k and q_top_k < self.vocab_size else None
         self.confidence_threshold = confidence_threshold
-        self.tree_nodes = tree_nodes
-        self.tree_budget = tree_budget
         self.tree_top_k = tree_top_k
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -100,8 +94,7 @@ class DraftModelProposer:
         branches = [items[b].branch for b in active]
         matchers = [items[b].matcher for b in active]
         constrained = any(m is not None for m in matchers)
-        nodes = 0 if any(branches) or constrained else (self.tree_budget(len(active), G, sampled) if self.tree_budget
-                                                        else self.tree_nodes)
+        nodes = 0 if any(branches) or constrained else max(items[b].nodes for b in active)
         # A forced run is fed with the committed tail, so the chain is drafted after it.
         prefixes = [list(items[b].forced) for b in active]
         first = self.runner.forward([seq_ids[b] for b in active], prefixes, [1] * len(active))[:, 0]

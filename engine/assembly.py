@@ -14,7 +14,6 @@ from cluster import defaults as D
 from cluster.model_files import check_pair
 from engine.engine import Engine, LocalStages, Stages
 from engine.gamma import GammaPolicy
-from engine.goodput import GoodputController
 from runtime.models import build_model
 from runtime.runner import ModelRunner
 from verifier.verify import AcceptanceConfig, VerifyStage
@@ -39,21 +38,19 @@ class EngineSettings:
     q_top_k: int | None = D.Q_TOP_K
     ngram_min: int = D.NGRAM_MIN
     ngram_max: int = D.NGRAM_MAX
-    # > 0: the draft model drafts token trees of up to this many nodes (issue 15): with ``adaptive`` and the
-    # engine's policy in process, the policy chooses chain or tree per step from measured tokens per second;
-    # otherwise every step drafts this tree (depth γ). 0: chains
+    # > 0: the draft model drafts token trees of up to this many nodes (issue 15): with ``adaptive`` the
+    # policy chooses chain or tree per step from measured tokens per second; otherwise every step drafts
+    # this tree (depth γ). 0: chains
     tree_nodes: int = D.TREE_NODES
     # candidate chains per row and step, one propose call each, merged into one tree (engine.candidates)
     draft_num: int = D.DRAFT_NUM
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-    # measure speculative vs plain goodput; decode plainly where it does not pay
-    goodput_guard: bool = D.GOODPUT_GUARD
     # structured outputs: where the grammar forces a run of tokens, propose it without the draft (q = 1)
     forced_tokens: bool = D.FORCED_TOKENS
 
 
-def make_proposer(settings: EngineSettings, draft_model=None, policy: GammaPolicy | None = None):
-    """The proposer ``settings`` name; ``policy`` (the engine's) chooses the draft model's tree shape per step."""
+def make_proposer(settings: EngineSettings, draft_model=None):
+    """The proposer ``settings`` name (the engine's policy chooses a draft model's tree shape per step)."""
     from draftpool.draft_model import DraftModelProposer
     from draftpool.ngram import NgramProposer
 
@@ -63,9 +60,7 @@ def make_proposer(settings: EngineSettings, draft_model=None, policy: GammaPolic
         return NgramProposer(n_min=settings.ngram_min, n_max=settings.ngram_max)
     model = draft_model if draft_model is not None else build_model(settings.draft, settings.device, settings.dtype)
     return DraftModelProposer(model, max_slots=settings.max_slots, max_len=settings.max_len,
-                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold,
-                              tree_nodes=settings.tree_nodes,
-                              tree_budget=policy.tree_budget if policy is not None and settings.tree_nodes else None)
+                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold)
 
 
 def make_verify_stage(settings: EngineSettings, target_model=None) -> VerifyStage:
@@ -80,11 +75,6 @@ def make_policy(settings: EngineSettings) -> GammaPolicy:
                        adaptive=settings.adaptive, tree_nodes=settings.tree_nodes)
 
 
-def make_goodput(settings: EngineSettings) -> GoodputController | None:
-    """The measured guard (``engine/goodput.py``) when there is something to guard."""
-    return GoodputController() if settings.goodput_guard and settings.draft is not None else None
-
-
 def spec_path(spec) -> str | None:
     """The local folder behind a model spec, if it has one."""
     if isinstance(spec, str) and spec != "ngram":
@@ -93,19 +83,18 @@ def spec_path(spec) -> str | None:
 
 
 def make_engine(settings: EngineSettings, *, stages: Stages | None = None, target_model=None, draft_model=None,
-                eos_token_ids=(), detokenize=None, goodput: GoodputController | None = None,
-                first_seq_id: int = 0) -> Engine:
+                eos_token_ids=(), detokenize=None, first_seq_id: int = 0) -> Engine:
     """An engine on ``stages`` (a router's ``StageClient``, or stages around models already built), or on
     in-process stages built from ``settings`` (models loaded unless given). Speculates when ``settings``
-    names a draft; ``goodput`` replaces the guard ``settings.goodput_guard`` asks for; ``first_seq_id``:
+    names a draft; ``first_seq_id``:
     where its sequence ids start (``engine.engine.random_first_seq_id`` where other engines share the stages)."""
     policy = make_policy(settings)
     if stages is None:
         target_path, draft_path = spec_path(settings.target), spec_path(settings.draft)
         if target_path:
             check_pair(target_path, draft_path, where=(target_path, draft_path or ""))
-        stages = LocalStages(make_verify_stage(settings, target_model), make_proposer(settings, draft_model, policy))
+        stages = LocalStages(make_verify_stage(settings, target_model), make_proposer(settings, draft_model))
     return Engine(stages, policy=policy, eos_token_ids=eos_token_ids, max_len=settings.max_len,
                   max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
-                  speculate=settings.draft is not None, goodput=goodput or make_goodput(settings),
+                  speculate=settings.draft is not None,
                   draft_num=settings.draft_num, first_seq_id=first_seq_id, forced_tokens=settings.forced_tokens)

@@ -15,8 +15,9 @@ by its first proposal.
 With ``draft_num`` > 1 every row gets that many candidate chains per step, one propose call per branch,
 merged into one token tree the verifier checks in one pass (``engine/candidates.py``).
 
-An optional ``GoodputController`` (``engine/goodput.py``) is asked per micro-batch whether to speculate
-and fed each step's committed tokens and wall time; when it says plain, every row of that step gets γ = 0.
+How much to speculate is the γ policy's one decision (``GammaPolicy.decide``, ``engine/gamma.py``): per
+micro-batch, γ (0: a plain step) and the token tree's node budget, from the step costs and yields it is fed
+after every decode step. A caller-seeded sampled row keeps the fixed γ, so its sample never depends on timing.
 
 Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher, advanced here on committed
 tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
@@ -37,8 +38,7 @@ from typing import Callable, Iterable, Protocol, Sequence as Seq
 
 from engine.candidates import Candidates
 from engine.forced import WithForced
-from engine.gamma import GammaPolicy, GammaState
-from engine.goodput import GoodputController, StepPlan
+from engine.gamma import GammaPolicy, GammaState, Shape
 from runtime.grammar import Grammar, Matcher, allow_all
 from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
                                VerifyItem, VerifyOutcome)
@@ -158,7 +158,7 @@ class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3, goodput: GoodputController | None = None, draft_num: int = 1,
+                 max_failures: int = 3, draft_num: int = 1,
                  first_seq_id: int = 0, forced_tokens: bool = True):
         self.stages = stages
         self.policy = policy or GammaPolicy()
@@ -169,7 +169,6 @@ class Engine:
         self.detokenize = detokenize
         self.speculate = speculate
         self.max_failures = max_failures
-        self.goodput = goodput  # measured guard: plain steps for a micro-batch when speculation does not pay
         if draft_num < 1:
             raise ValueError(f"draft_num must be >= 1, got {draft_num}")
         self.draft_num = draft_num  # candidate chains per row and step, merged into a tree (engine.candidates)
@@ -181,7 +180,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # add/cancel from other threads
         self._next_id = first_seq_id  # see random_first_seq_id
         self._turn = 0
-        self._pending: dict[int, tuple[Pending, list[int], StepPlan | None]] = {}  # micro-batch → in-flight proposal
+        self._pending: dict[int, tuple[Pending, list[int]]] = {}  # micro-batch → in-flight proposal, its rows
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
         self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
         self._mask_seconds = 0.0  # the last step's filling of the verifier's grammar masks
@@ -230,7 +229,6 @@ class Engine:
             return events
         k = sorted(groups)[self._turn % len(groups)]
         self._turn += 1
-        started = self.goodput.clock() if self.goodput is not None else 0.0
         step_start = time.perf_counter()  # the γ policy's cost model: wall time of the whole step
 
         pending = self._pending.pop(k, None)
@@ -254,22 +252,17 @@ class Engine:
         self.last_step_wait = waited + time.perf_counter() - t0
         committed = self._commit(batch, proposal, outcome, pending[0])
         if not prefill:  # a prefill's time is not what a decode step costs
+            # With several micro-batches the wall time includes drafting the following one (every step pays
+            # one drafting, so the accounting balances in steady state).
             self.policy.observe_step(len(batch), int(proposal.lengths.max()), time.perf_counter() - step_start)
-        plan = pending[2]
-        if plan is not None and not prefill:
-            # Wall time of this step; with several micro-batches it includes drafting the following one
-            # (every step pays one drafting, so the accounting balances in steady state).
-            self.goodput.observe(plan, sum(len(e.new_tokens) for e in committed), self.goodput.clock() - started,
-                                 speculative=any(outcome.num_proposed))
         events.extend(committed)
         return events
 
-    def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int], StepPlan | None]:
-        plan = self.goodput.choose(len(batch)) if self.goodput is not None and self.speculate else None
-        chosen = 0 if plan is not None and not plan.speculate else self._gamma(batch)
+    def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int]]:
+        shape = self._shape(batch)
         items, forced = [], {}
         for seq in batch:
-            gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else chosen)
+            gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else shape.gamma)
             run, ends = self._forced(seq)
             if run:
                 # The grammar drafts the run; the proposer drafts after it, unless the run completes the grammar;
@@ -277,25 +270,29 @@ class Engine:
                 forced[seq.seq_id] = run
                 gamma = 0 if ends else max(0, min(gamma, self._room(seq, self.policy.gamma_max) - len(run)))
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
-                                     gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run)))
+                                     gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run),
+                                     nodes=shape.nodes))
             seq.proposer_base = len(seq.tokens)
         ids = [seq.seq_id for seq in batch]
         # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
         if self.draft_num == 1 or not any(it.gamma for it in items) or any(it.matcher for it in items):
             pending = self.stages.submit_propose(items, shard)
-            return (WithForced(pending, forced) if forced else pending), ids, plan
+            return (WithForced(pending, forced) if forced else pending), ids
         branches = [self.stages.submit_propose([replace(it, branch=b) for it in items], shard)
                     for b in range(self.draft_num)]
-        return Candidates(branches), ids, plan
+        return Candidates(branches), ids
 
     @staticmethod
-    def _drafted_for(pending: tuple[Pending, list[int], StepPlan | None], group: list[Sequence]) -> list[Sequence]:
+    def _drafted_for(pending: tuple[Pending, list[int]], group: list[Sequence]) -> list[Sequence]:
         """The group's sequences that ``pending`` was drafted for, in the proposal's row order."""
         members = {s.seq_id: s for s in group}
         return [members[i] for i in pending[1] if i in members]
 
-    def _gamma(self, batch: list[Sequence]) -> int:
-        return self.policy.choose([seq.gamma_state for seq in batch]) if self.speculate else 0
+    def _shape(self, batch: list[Sequence]) -> Shape:
+        if not self.speculate:
+            return Shape(0)
+        return self.policy.decide([seq.gamma_state for seq in batch],
+                                  sampled=any(not seq.request.sampling.greedy for seq in batch))
 
     def _room(self, seq: Sequence, gamma: int) -> int:
         """γ for one row: drafting past max_tokens is wasted (the step emits up to γ + 1 tokens)."""

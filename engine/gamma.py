@@ -32,11 +32,22 @@ check whether it pays again: after 2, 4, 8, … plain steps of the bucket (at mo
 probe that measured a clearly cheaper step than the model believed is repeated at once, so a cost that
 really came down is taken up within a few steps.
 
+The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
+step, Y(w), over the width's last few steps). Where the γ the model picks was measured (fresh samples of its
+width) at fewer tokens per second than a plain step, Y(w) / T(w) < (1 − ``margin``) / T(1), the policy takes
+the fastest measured chain that does pay instead, and decodes plainly (probing as above) where none does: a
+draft whose acceptance the model overrates, or a verify whose width costs more than the line through the
+measured widths says, switches speculation off within a few steps and keeps it off while it loses. Stale
+measurements age out (``max_age``), so a width that lost in one spell is tried again in another.
+
 To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
 (``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
 all of this.
 
-Token trees (issue 15; ``tree_nodes`` > 0, the draft-model proposer asks ``tree_budget`` per step). The
+``decide`` is the one decision: γ, and the node budget of the step's token tree (``Shape``). The engine asks
+it per micro-batch and hands the shape to the proposer with the rows (``ProposeItem.nodes``).
+
+Token trees (issue 15; ``tree_nodes`` > 0). The
 shape of a step is the chain of the chosen γ or a tree of n nodes grown to depth γ, for n on a ladder
 (powers of two above ``gamma_max`` up to ``tree_nodes``, so a tree's verify width never equals a chain's).
 Per bucket and per verify width w the policy measures, besides T(w), the tokens a row emits per step
@@ -61,7 +72,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from engine.goodput import batch_bucket
+from runtime.runner import batch_bucket
 
 
 def expected_speedup(alpha: float, gamma: int, c: float) -> float:
@@ -148,6 +159,7 @@ class BucketCosts:
     plain_run: int = 0  # consecutive plain steps (0: the last step speculated)
     next_probe: int = 2  # plain_run (≥ 1) at which the bucket's batch probes
     measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
+    off: bool = False  # the last decision found no chain that pays: plain steps and probes
     yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
 
     def tokens_per_row(self, width: int, min_samples: int, max_age: int) -> float | None:
@@ -207,6 +219,14 @@ class CostModel:
         return None
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What ``GammaPolicy.decide`` chose for a micro-batch's next step."""
+
+    gamma: int  # draft tokens per row (0: a plain step)
+    nodes: int = 0  # the node budget of the draft's token tree (0: a chain of γ)
+
+
 @dataclass
 class GammaState:
     accepted: float = 0.0
@@ -232,6 +252,7 @@ class GammaPolicy:
     probe_every: int = 16
     refresh_every: int = 64  # speculative steps of a bucket between two plain steps that re-measure T(1)
     promising: float = 0.5  # a probe step this much cheaper than predicted is repeated at once
+    margin: float = 0.03  # a chain measured this much slower than a plain step (relative) does not pay
     cost_ratio: float = 0.1  # prior c, used until the cost model has measured a bucket
     tree_nodes: int = 0  # the largest token tree (0: chains only)
     costs: CostModel = field(default_factory=CostModel)
@@ -257,7 +278,13 @@ class GammaPolicy:
             n *= 2
         return sizes + [self.tree_nodes] if self.tree_nodes else []
 
-    def tree_budget(self, rows: int, gamma: int, sampled: bool) -> int:
+    def decide(self, states: Sequence[GammaState], sampled: bool = False) -> Shape:
+        """The next step of a micro-batch whose sequences hold ``states`` (at least one): γ per row (0: a plain
+        step) and the node budget of its token tree (0: a chain). ``sampled``: a row of it samples."""
+        gamma = self._chain(states)
+        return Shape(gamma, self._tree(len(states), gamma, sampled))
+
+    def _tree(self, rows: int, gamma: int, sampled: bool) -> int:
         """Node budget of the next step's token tree for ``rows`` drafting rows at depth γ; 0 for a chain."""
         if not self.tree_nodes or gamma < 2:  # depth 1 gives too few candidates to fill a ladder size
             return 0
@@ -306,18 +333,35 @@ class GammaPolicy:
             return sum(expected_speedup(a, gamma, self.cost_ratio) for a in alphas) / len(alphas)
         return sum(expected_tokens_per_step(a, gamma) for a in alphas) / len(alphas) / cost
 
-    def choose(self, states: Sequence[GammaState]) -> int:
-        """γ for the next step of a micro-batch whose sequences hold ``states`` (at least one)."""
+    def _chain(self, states: Sequence[GammaState]) -> int:
+        """γ for the next step of a micro-batch whose sequences hold ``states``."""
         if not self.adaptive:
             return self.gamma
         bucket = self.costs.bucket(len(states))
-        if self.allow_off and bucket.measure_plain:
-            return 0
         alphas = [st.alpha(self.prior_alpha, self.prior_weight) for st in states]
-        best = max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
-        if not self.allow_off or self.speedup(alphas, best) >= 1.0:
-            return best
+        if not self.allow_off:
+            return max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
+        if bucket.measure_plain:
+            return 0
+        best = max(range(max(1, self.gamma_min), self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
+        bucket.off = False
+        if self.speedup(alphas, best) >= 1.0:
+            measured = self._measured_chains(bucket)
+            if best not in measured or measured[best] >= 1.0 - self.margin:
+                return best
+            paying = [g for g, r in measured.items() if r >= 1.0 - self.margin]
+            if paying:
+                return max(paying, key=measured.get)
+        bucket.off = True
         return max(1, self.gamma_min) if bucket.probe_due else 0
+
+    def _measured_chains(self, bucket: BucketCosts) -> dict[int, float]:
+        """γ → measured tokens per second of its chain steps over a plain step's, for the fresh widths."""
+        plain = bucket.seconds.level(1)
+        if plain is None:
+            return {}
+        return {g: rate * plain for g in range(max(1, self.gamma_min), self.gamma_max + 1)
+                if (rate := self._rate(bucket, g + 1)) is not None}
 
     def observe(self, state: GammaState, proposed: int, accepted: int, nodes: int = 0) -> None:
         """One row's verify step; ``nodes``: the drafts verified (a tree step's nodes, above γ_max)."""
@@ -336,7 +380,7 @@ class GammaPolicy:
         step costs). ``drafted``: the most draft tokens of any row (the verify width − 1)."""
         bucket = self.costs.bucket(rows)
         bucket.steps += 1
-        if self.tree_nodes and len(self._emitted) >= rows:  # the step's rows were observed last
+        if len(self._emitted) >= rows:  # the step's rows were observed last
             recent = list(self._emitted)[-rows:]
             bucket.yields.setdefault(drafted + 1, deque(maxlen=self.costs.window)).append(
                 (bucket.steps, sum(recent) / rows))
@@ -350,7 +394,7 @@ class GammaPolicy:
                 predicted = bucket.step_seconds(drafted)
                 cheaper = predicted is not None and seconds < self.promising * predicted
                 bucket.next_probe = 1 if cheaper else min(2 * bucket.next_probe, self.probe_every)
-            else:
+            elif not bucket.off:  # not a second probe decided before the first was observed (micro-batches)
                 bucket.next_probe = self.probe_first
             bucket.plain_run = 0
         if seconds > 0:
@@ -360,3 +404,12 @@ class GammaPolicy:
         widths = bucket.seconds.levels()
         bucket.measure_plain = any(w > 1 for w in widths) and (1 not in widths
                                                                or bucket.since_plain >= self.refresh_every)
+
+    def as_dict(self) -> dict:
+        """Per batch bucket: the measured plain step, and each measured chain's speed over it (router stats)."""
+        out = {}
+        for key, bucket in sorted(self.costs.buckets.items()):
+            plain = bucket.seconds.level(1)
+            out[key] = {"plain_seconds": None if plain is None else round(plain, 6),
+                        "chain_over_plain": {g: round(r, 3) for g, r in self._measured_chains(bucket).items()}}
+        return out

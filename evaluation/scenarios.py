@@ -19,7 +19,7 @@ per scenario, at batch 1 and in one run:
   tokens/s of the automatic shape (the adaptive policy choosing chain or tree per step, ``--auto-tree-nodes``)
   beside the adaptive chain's;
 - batch rows (``--batch``, default 1,2,4,8,16): plain vs speculative throughput of the engine over all
-  prompts at each batch size, with and without the goodput guard, and each fixed γ of the sweep; the
+  prompts at each batch size, and each fixed γ of the sweep beside the adaptive policy; the
   gains are the median over ``--repeats`` interleaved rounds;
 - every speculative output checked token-identical to plain greedy decoding (counts shown), and the
   engine's plain output compared with HF's.
@@ -301,14 +301,13 @@ def run(args) -> int:
                 raise PromptError(f"{s} prompt {p['id']!r}: {len(p['ids'])} tokens + --max-tokens "
                                   f"{args.max_tokens} exceed the context of {max_len} tokens")
 
-    def engine(proposer: str | None, slots: int = 1, guard: bool = False, gamma: int | None = None,
-               tree_nodes: int = 0):
+    def engine(proposer: str | None, slots: int = 1, gamma: int | None = None, tree_nodes: int = 0):
         """proposer: the draft folder, "ngram" (prompt lookup) or None (plain decoding); gamma: fixed γ
         (None: the adaptive policy starting at --gamma); tree_nodes: the draft model's tree budget."""
         settings = EngineSettings(target=args.target, draft=proposer, device="cpu", dtype="float32",
                                   max_len=max_len, max_slots=slots, gamma=gamma or args.gamma,
                                   gamma_max=max(gamma or 0, args.gamma_max), adaptive=gamma is None,
-                                  goodput_guard=guard, tree_nodes=tree_nodes)
+                                  tree_nodes=tree_nodes)
         eng = make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
         if proposer == args.draft:
             eng.stages.proposer = NodeCount(eng.stages.proposer)
@@ -461,11 +460,10 @@ def interleaved(runs: dict, inputs: list, repeats: int, progress, rounds: dict |
 
 
 def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm) -> dict:
-    """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults), speculative with
-    the opt-in goodput guard and each fixed γ of the sweep, interleaved per group of prompts. Gains are
+    """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults) and each fixed γ of
+    the sweep, interleaved per group of prompts. Gains are
     the median over the repeats of each round's tokens/s ratio; tokens/s the fastest per group."""
-    engines = {"plain": engine(None, slots=batch), "spec": engine(args.draft, slots=batch),
-               "spec_guarded": engine(args.draft, slots=batch, guard=True)}
+    engines = {"plain": engine(None, slots=batch), "spec": engine(args.draft, slots=batch)}
     engines.update({f"fixed{g}": engine(args.draft, slots=batch, gamma=g) for g in args.fixed_gammas})
     # Warm-up: first-call costs, and the adaptive policy's cost model meets this batch size once.
     warm = [Request(tuple(ids[:8]), max_tokens=32) for ids in all_ids[:batch]]
@@ -488,9 +486,9 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
             # Every run emits the same tokens each round, so the ratio of seconds is the ratio of tokens/s.
             row[f"gain_{name}"] = statistics.median(p / x for p, x in zip(rounds["plain"], rounds[name]))
     if args.fixed_gammas:
-        best = max(args.fixed_gammas, key=lambda g: row[f"fixed{g}_tok_s"])
+        best = max(args.fixed_gammas, key=lambda g: row[f"gain_fixed{g}"])
         row["best_fixed_gamma"] = best
-        row["spec_over_best_fixed"] = row["spec_tok_s"] / row[f"fixed{best}_tok_s"]
+        row["spec_over_best_fixed"] = row["gain_spec"] / row[f"gain_fixed{best}"]
     return row
 
 
@@ -549,7 +547,7 @@ def markdown(report: dict) -> str:
         lines.append(f"Trees and the automatic shape: {same}/{total} outputs identical to plain greedy decoding.")
     lines.append("")
     if report.get("batches"):
-        head = ["batch", "plain tok/s*", "speculative", "with the goodput guard"]
+        head = ["batch", "plain tok/s*", "speculative"]
         gammas = [int(k[5:-6]) for k in report["batches"][0] if k.startswith("fixed") and k.endswith("_tok_s")]
         head += [f"γ={g}" for g in gammas] + (["speculative / best fixed"] if gammas else []) + ["identical"]
         lines += [f"Batches ({report['batches'][0]['prompts']} prompts; gains over plain, median of "
@@ -557,7 +555,7 @@ def markdown(report: dict) -> str:
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for b in report["batches"]:
             cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}"]
-            cells += [f"{b[f'gain_{n}']:.2f}× ({b[f'mean_gamma_{n}']:.2f})" for n in ("spec", "spec_guarded")]
+            cells.append(f"{b['gain_spec']:.2f}× ({b['mean_gamma_spec']:.2f})")
             cells += [f"{b[f'gain_fixed{g}']:.2f}×" for g in gammas]
             if gammas:
                 cells.append(f"**{b['spec_over_best_fixed']:.2f}** (γ={b['best_fixed_gamma']})")

@@ -64,6 +64,10 @@ class ProposeItem:
     # Tokens the row's grammar forces next (structured outputs): the engine proposes them itself; the proposer
     # drafts its ``gamma`` tokens after them and returns only those (in-process stages only, like ``matcher``).
     forced: tuple[int, ...] = ()
+    # The node budget of the step's token tree (0: a chain of ``gamma``), one value for the whole proposal: the
+    # γ policy's shape for the micro-batch (``GammaPolicy.decide``). Draft-model proposers only; a batch with a
+    # branch or a constrained row drafts chains.
+    nodes: int = 0
 
 
 @dataclass

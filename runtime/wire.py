@@ -48,7 +48,7 @@ from runtime.protocol import (
 
 # 2: proposals carry ``parents`` (token trees), propose rows their ``branch``; 3: propose rows carry their
 # grammar's forced run, verify frames the constrained rows' grammar masks (structured outputs)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_FRAME_BYTES = 64 << 20
 MAX_ROWS = 1 << 16  # the largest batch a frame may carry; also the msgpack array cap
 _MAX_MAP_LEN = 16
@@ -194,6 +194,7 @@ def encode_propose(items: Sequence[ProposeItem]) -> bytes:
     # which the verifier's masked p keeps exact (a refused draft is rejected like any other).
     rows["forced_lens"] = _ints([len(i.forced) for i in items], _I32, "forced_lens")
     rows["forced"] = _ints(list(chain.from_iterable(i.forced for i in items)), _I32, "forced")
+    rows["nodes"] = _ints([i.nodes for i in items], _I32, "nodes")
     return _pack({"v": SCHEMA_VERSION, "kind": "propose", **rows})
 
 
@@ -499,7 +500,7 @@ def _decode_proposal_body(m: dict[str, Any], what: str, limits: WireLimits) -> P
 
 
 def decode_propose(data: bytes, limits: WireLimits) -> list[ProposeItem]:
-    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma", "branch", "forced_lens", "forced"))
+    frame = _unpack(data, "propose", (*_ROW_KEYS, "gamma", "branch", "forced_lens", "forced", "nodes"))
     seq_ids, syncs, samplings = _decode_rows(frame, "propose", limits)
     gamma = _values(frame, "gamma", _I32, "propose", len(seq_ids))
     _in_range(gamma, 0, limits.gamma_max + 1, "propose.gamma")
@@ -508,11 +509,14 @@ def decode_propose(data: bytes, limits: WireLimits) -> list[ProposeItem]:
     forced_lens = _values(frame, "forced_lens", _I32, "propose", len(seq_ids))
     _in_range(forced_lens, 0, limits.gamma_max + 1, "propose.forced_lens")
     forced = _token_ids(frame, "forced", "propose", limits, sum(forced_lens)).tolist()
+    nodes = _values(frame, "nodes", _I32, "propose", len(seq_ids))
+    _in_range(nodes, 0, limits.tree_nodes + 1, "propose.nodes")
     runs, at = [], 0
     for n in forced_lens:
         runs.append(tuple(forced[at:at + n]))
         at += n
-    return [ProposeItem(s, g, p, b, forced=f) for s, g, p, b, f in zip(syncs, gamma, samplings, branch, runs)]
+    return [ProposeItem(s, g, p, b, forced=f, nodes=n)
+            for s, g, p, b, f, n in zip(syncs, gamma, samplings, branch, runs, nodes)]
 
 
 def decode_proposal(data: bytes, limits: WireLimits) -> ProposalBatch:

@@ -24,8 +24,8 @@ draft; ε sets their greedy agreement), then measures, side by side in one run:
   S = (1−α^(γ+1)) / ((1−α)(γc+1)) at those values; HF ``generate(assistant_model=draft)`` and this engine's
   tokens/s over it; and how many speculative outputs are token-identical to plain decoding (in bf16,
   near-ties may differ);
-- a batch scan (1 … 64 sequences): plain, speculative, and speculative under the goodput guard
-  (``engine/goodput.py``), median tokens/s of ``--repeats`` runs each;
+- a batch scan (1 … 64 sequences): plain and speculative (the adaptive γ policy, which decodes plainly
+  where speculation measures slower), median tokens/s of ``--repeats`` runs each;
 - the reference article's claimed 3.8× / 3.0× / 1.8× (docs/design.md#the-reference-article) beside the
   measured gains, with the cap 1/(1−α) that binds any draft (2.63× at α 0.62, 1.22× at α 0.18);
   ``--large`` (c ≤ 0.05) is the mode where that comparison is fairest.
@@ -150,14 +150,14 @@ class Bench:
         self.proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len)
         self.max_slots, self.max_len, self.gamma = max_slots, max_len, gamma
 
-    def engine(self, speculate: bool, goodput: bool = False):
+    def engine(self, speculate: bool):
         from engine.assembly import EngineSettings, make_engine
         from engine.engine import LocalStages
 
         # gamma 0: the adaptive policy from its defaults; otherwise that fixed gamma.
         fixed = dict(gamma=self.gamma, gamma_max=max(8, self.gamma), adaptive=False) if self.gamma else {}
         settings = EngineSettings(target=None, draft="built" if speculate else None, max_len=self.max_len,
-                                  max_slots=self.max_slots, goodput_guard=goodput, **fixed)
+                                  max_slots=self.max_slots, **fixed)
         return make_engine(settings, stages=LocalStages(self.verifier, self.proposer if speculate else None))
 
     def run(self, engine, prompts: list[tuple[int, ...]], max_tokens: int, one_at_a_time: bool) -> dict:
@@ -421,21 +421,17 @@ def batch_scan(args, bench: Bench, budget: Budget, epsilons: dict, vocab: int, t
             continue
         log(f"[bench_gpu] batch scan: {b}")
         prompts = ragged_prompts(vocab, b, 16, 48, seed=args.seed + 1000 + b)
-        cells: dict[str, list[float]] = {"plain": [], "spec": [], "spec_goodput": []}
+        cells: dict[str, list[float]] = {"plain": [], "spec": []}
         alphas = []
         for _ in range(args.repeats):  # interleaved, so drift hits every mode alike
             cells["plain"].append(bench.run(bench.engine(False), prompts, args.scan_tokens, False)["tokens_per_s"])
             spec = bench.run(bench.engine(True), prompts, args.scan_tokens, False)
             cells["spec"].append(spec["tokens_per_s"])
             alphas.append(spec["stats"].alpha)
-            cells["spec_goodput"].append(bench.run(bench.engine(True, goodput=True), prompts, args.scan_tokens,
-                                                   False)["tokens_per_s"])
         med = {k: statistics.median(v) for k, v in cells.items()}
         scan["rows"].append({"batch": b, "plain_tokens_per_s": round(med["plain"], 2),
                              "spec_tokens_per_s": round(med["spec"], 2),
-                             "spec_goodput_tokens_per_s": round(med["spec_goodput"], 2),
                              "spec_speedup": round(med["spec"] / med["plain"], 3),
-                             "spec_goodput_speedup": round(med["spec_goodput"] / med["plain"], 3),
                              "alpha": round(statistics.median(alphas), 4),
                              "runs": {k: [round(x, 2) for x in v] for k, v in cells.items()}})
     return scan
@@ -472,8 +468,8 @@ def acceptance(result: dict) -> list[dict]:
                   s["spec_over_hf_assisted"] >= 3.0)
     rows_scan = result["batch_scan"]["rows"]
     for r in rows_scan:
-        best = max(r["spec_speedup"], r["spec_goodput_speedup"])
-        check(f"batch {r['batch']}: speculative / plain, median (≥ 0.97)", best, 0.97, best >= 0.97)
+        check(f"batch {r['batch']}: speculative / plain, median (≥ 0.97)", r["spec_speedup"], 0.97,
+              r["spec_speedup"] >= 0.97)
     by_batch = {r["batch"]: r["plain_tokens_per_s"] for r in rows_scan}
     if 1 in by_batch and 64 in by_batch:
         ratio = round(by_batch[64] / by_batch[1], 2)
@@ -515,11 +511,10 @@ def table(result: dict) -> str:
     if scan["rows"]:
         lines += ["", f"batch scan ({scan['scenario']}, ε {scan['epsilon']:.4g}, {scan['tokens_per_sequence']} tokens "
                       f"per sequence, median of {scan['repeats']}), tokens/s:",
-                  f"{'batch':>5} {'plain':>10} {'spec':>10} {'gain':>6} {'guarded':>10} {'gain':>6} {'α':>6}"]
+                  f"{'batch':>5} {'plain':>10} {'spec':>10} {'gain':>6} {'α':>6}"]
         for r in scan["rows"]:
             lines.append(f"{r['batch']:5d} {r['plain_tokens_per_s']:10.1f} {r['spec_tokens_per_s']:10.1f} "
-                         f"{r['spec_speedup']:5.2f}× {r['spec_goodput_tokens_per_s']:10.1f} "
-                         f"{r['spec_goodput_speedup']:5.2f}× {r['alpha']:6.3f}")
+                         f"{r['spec_speedup']:5.2f}× {r['alpha']:6.3f}")
     elif scan.get("note"):
         lines += ["", scan["note"]]
     if result["seed_comparison"]:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 ARGS = {"target": {"path": "builtin:tiny", "max_model_len": 128},
         "draft": {"kind": "model", "path": "builtin:tiny"},
-        "speculation": {"gamma": 4, "adaptive": False, "goodput_guard": False},
+        "speculation": {"gamma": 4, "adaptive": False},
         "router": {"max_running": 8, "micro_batches": 2},
         "defaults": {"temperature": 0.0}}
 MAX_TOKENS = 24

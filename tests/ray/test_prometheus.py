@@ -2,8 +2,7 @@
 
 Prometheus (Debian's ``prometheus``, installed by scripts/setup_env.sh) runs on loopback with a scrape config
 generated here that points at every Ray node's ``MetricsExportPort``, and loads the committed alert rules.
-After greedy traffic through a router with the goodput guard on (so that plain steps are measured next to
-speculative ones), each PromQL query of each generated board is sent to Prometheus' query API: it must parse,
+After greedy traffic through a router (its adaptive γ policy measures plain steps next to speculative ones), each PromQL query of each generated board is sent to Prometheus' query API: it must parse,
 and return at least one finite value — except
 
 - the GPU board's series, which must be absent where NVML reads no device (this CPU box), and
@@ -88,7 +87,7 @@ def served(ray_cluster):
     from deployments.api import GenerateRequest
     from deployments.app import build_app
 
-    deploy(build_app(app_args(speculation={"gamma": 4, "gamma_max": 8, "goodput_guard": True},
+    deploy(build_app(app_args(speculation={"gamma": 4, "gamma_max": 8},
                               router={"fidelity_sample_rate": 1.0})), APP, route_prefix="/prom")
     router = serve.get_deployment_handle("Router", app_name=APP)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()

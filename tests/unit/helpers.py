@@ -48,7 +48,8 @@ def hf_greedy(model, prompt, max_new: int, eos: int | None = None) -> tuple[int,
 
 def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False, max_slots: int = NUM_PROMPTS,
                 max_len: int = MAX_LEN, acceptance: AcceptanceConfig | None = None, micro_batches: int = 1,
-                speculate: bool = True, draft_num: int = 1, forced_tokens: bool = True, **engine_kw) -> Engine:
+                speculate: bool = True, draft_num: int = 1, forced_tokens: bool = True, tree_nodes: int = 0,
+                **engine_kw) -> Engine:
     """An in-process engine through ``engine.assembly.make_engine`` around models already built. ``draft``: a
     model, "same" (the target), "ngram", None (no proposer), or a ready proposer object; ``speculate=False``
     keeps the proposer but decodes target-only."""
@@ -63,7 +64,7 @@ def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False,
     settings = EngineSettings(target=None, draft=proposer if speculate else None, max_len=max_len,
                               max_slots=max_slots, micro_batches=micro_batches, gamma=gamma,
                               gamma_max=max(gamma, 8), adaptive=adaptive, acceptance=acceptance or AcceptanceConfig(),
-                              draft_num=draft_num, forced_tokens=forced_tokens)
+                              draft_num=draft_num, forced_tokens=forced_tokens, tree_nodes=tree_nodes)
     return assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer), **engine_kw)
 
 

@@ -31,8 +31,7 @@ SCENARIO = {"name", "wanted_alpha", "epsilon", "calibration", "plain_tokens_per_
             "acceptance_rate", "acceptance_length", "alpha", "mean_gamma", "target_step_ms", "draft_forward_ms", "c",
             "leviathan_bound", "cap_1_over_1_minus_alpha", "identical_to_plain", "hf_plain_tokens_per_s",
             "hf_assisted_tokens_per_s", "hf_assisted_speedup"}
-SCAN_ROW = {"batch", "plain_tokens_per_s", "spec_tokens_per_s", "spec_goodput_tokens_per_s", "spec_speedup",
-            "spec_goodput_speedup", "alpha", "runs"}
+SCAN_ROW = {"batch", "plain_tokens_per_s", "spec_tokens_per_s", "spec_speedup", "alpha", "runs"}
 COMPARISON = {"name", "alpha", "seed_claim", "cap_1_over_1_minus_alpha", "measured_speedup",
               "leviathan_bound_measured", "claim_exceeds_cap"}
 

@@ -13,7 +13,7 @@ import pytest
 
 from draftpool.draft_model import DraftModelProposer
 from engine.engine import Engine, LocalStages, Request
-from engine.gamma import GammaPolicy, GammaState, WidthCosts, expected_speedup, expected_tokens_per_step
+from engine.gamma import GammaPolicy, GammaState, Shape, WidthCosts, expected_speedup, expected_tokens_per_step
 from runtime.runner import ModelRunner
 from engine.stats import SpecStats
 from verifier.verify import VerifyStage
@@ -47,7 +47,7 @@ def _state_with_alpha(alpha: float, weight: float = 1000.0) -> GammaState:
 
 def test_fixed_policy_returns_gamma():
     policy = GammaPolicy(gamma=5)
-    assert [policy.choose([_state_with_alpha(a)]) for a in (0.0, 0.5, 1.0)] == [5, 5, 5]
+    assert [policy.decide([_state_with_alpha(a)]).gamma for a in (0.0, 0.5, 1.0)] == [5, 5, 5]
 
 
 def test_adaptive_picks_the_argmax_of_the_speedup():
@@ -56,20 +56,20 @@ def test_adaptive_picks_the_argmax_of_the_speedup():
         state = _state_with_alpha(alpha)
         a = state.alpha(policy.prior_alpha, policy.prior_weight)
         best = max(range(1, 9), key=lambda g: leviathan(a, g, 0.05))
-        assert policy.choose([state]) == best
+        assert policy.decide([state]).gamma == best
 
 
 def test_adaptive_prefers_longer_chains_for_higher_alpha():
     for c in (0.02, 0.1, 0.2):
         policy = GammaPolicy(adaptive=True, gamma_min=1, gamma_max=12, cost_ratio=c, allow_off=False)
-        chosen = [policy.choose([_state_with_alpha(a)]) for a in (0.3, 0.5, 0.7, 0.85, 0.95)]
+        chosen = [policy.decide([_state_with_alpha(a)]).gamma for a in (0.3, 0.5, 0.7, 0.85, 0.95)]
         assert chosen == sorted(chosen), f"c = {c}: {chosen}"
         assert chosen[-1] > chosen[0]
 
 
 def test_adaptive_prefers_shorter_chains_for_costlier_drafts():
     state = _state_with_alpha(0.8)
-    chosen = [GammaPolicy(adaptive=True, cost_ratio=c, allow_off=False).choose([state]) for c in (0.01, 0.1, 0.4)]
+    chosen = [GammaPolicy(adaptive=True, cost_ratio=c, allow_off=False).decide([state]).gamma for c in (0.01, 0.1, 0.4)]
     assert chosen == sorted(chosen, reverse=True) and chosen[0] > chosen[-1]
 
 
@@ -86,7 +86,7 @@ def drive(policy: GammaPolicy, steps: int, *, rows: int = 1, accept=None, cost=N
     accepts = accept if isinstance(accept, list) else [accept] * len(states)
     chosen = []
     for i in range(steps):
-        gamma = policy.choose(states)
+        gamma = policy.decide(states).gamma
         for st, acc in zip(states, accepts):
             if acc is not None:
                 policy.observe(st, gamma, acc(i, gamma))
@@ -105,16 +105,16 @@ def test_speculation_turns_off_when_it_cannot_pay_and_probes():
     assert chosen == [0, 0, 1] + [0, 0, 0, 0, 1] * 3 + [0, 0, 0, 0]
     # when α recovers, speculation comes back at once
     state.accepted, state.rejections = 900.0, 100.0
-    assert policy.choose([state]) > 1
+    assert policy.decide([state]).gamma > 1
     # allow_off=False keeps drafting at γ_min
-    assert GammaPolicy(adaptive=True, cost_ratio=0.5, allow_off=False).choose([_state_with_alpha(0.1)]) == 1
+    assert GammaPolicy(adaptive=True, cost_ratio=0.5, allow_off=False).decide([_state_with_alpha(0.1)]).gamma == 1
 
 
 def test_fresh_sequence_uses_the_prior():
     policy = GammaPolicy(adaptive=True, cost_ratio=0.1)
     assert GammaState().alpha(0.6, 4.0) == pytest.approx(0.6)
     best = max(range(1, 9), key=lambda g: leviathan(0.6, g, 0.1))
-    assert policy.choose([GammaState()]) == best
+    assert policy.decide([GammaState()]).gamma == best
 
 
 def test_observe_tracks_alpha_with_forgetting():
@@ -280,6 +280,58 @@ def test_one_gamma_for_the_batch_weighs_every_row():
     assert sum(g >= 2 for g in alone[30:]) >= 29 and crowd[30:].count(0) >= 25
 
 
+def overrated(policy: GammaPolicy, steps: int, emitted, cost, alpha: float = 0.9) -> tuple[list[int], float]:
+    """Steps of one row whose α the model holds at ``alpha`` (a heavy prior that nothing moves: the model's
+    estimate is wrong) while a step of γ drafts really emits ``emitted(γ)`` tokens in ``cost(γ)`` seconds.
+    Returns γ per step and the trace's tokens per second over plain decoding's (1 token per ``cost(0)``)."""
+    state, gammas, tokens, seconds = _state_with_alpha(alpha, weight=1e9), [], 0, 0.0
+    for _ in range(steps):
+        gamma = policy.decide([state]).gamma
+        policy.observe(GammaState(), gamma, emitted(gamma) - 1)  # the row's yield, not its α
+        policy.observe_step(1, gamma, cost(gamma))
+        gammas.append(gamma)
+        tokens, seconds = tokens + emitted(gamma), seconds + cost(gamma)
+    return gammas, tokens / seconds * cost(0)
+
+
+def test_measured_loss_switches_speculation_off_where_the_model_overrates_the_draft():
+    """The model says γ ≈ 4 pays 1.8×; every step really emits about one token and costs more than a plain one.
+    The measured yield switches speculation off within a few steps and keeps it off, re-probing rarely: the
+    trace runs within 12 % of plain decoding (the best fixed choice here). What it gives up is re-measuring
+    the model's choice once its measurement is ``max_age`` steps old: 3 steps at γ = 5 every 64 or so."""
+    policy = GammaPolicy(adaptive=True)
+    gammas, over_plain = overrated(policy, 300, emitted=lambda g: 1, cost=lambda g: 1.0 + 0.3 * g)
+    assert next(i for i, g in enumerate(gammas) if i > 3 and g == 0) <= 12
+    assert sum(g > 0 for g in gammas[100:]) <= 25, gammas[100:]
+    assert over_plain >= 0.88
+
+
+def test_measured_loss_of_long_chains_falls_back_to_the_chain_that_pays():
+    """The draft gets the first token right and never the second; the model, believing α = 0.9, wants long
+    chains, which measure slower than plain. γ = 1, measured by the probes, pays (2 tokens for 1.4× a plain
+    step): the policy settles there, at ≥ 0.9 of fixed γ = 1 (the best fixed choice), far above plain."""
+    policy = GammaPolicy(adaptive=True)
+    cost = lambda g: 1.0 + 0.4 * g  # noqa: E731
+    gammas, over_plain = overrated(policy, 300, emitted=lambda g: min(g, 1) + 1, cost=cost)
+    assert gammas[100:].count(1) >= 80, gammas[100:]
+    assert over_plain >= 0.9 * (2 / cost(1))
+
+
+def test_measured_chains_that_pay_keep_the_model_choice():
+    """Where the model is right, the measurement agrees and changes nothing: long chains at α ≈ 0.96."""
+    policy = GammaPolicy(adaptive=True)
+    gammas = drive(policy, 100, accept=ALPHA_096, cost=lambda i, d: (0.37 * d, 1.0))
+    assert sum(gammas[50:]) / 50 >= 4 and gammas[50:].count(0) <= 2
+
+
+def test_decide_gives_the_chain_and_the_tree_of_one_step():
+    fixed = GammaPolicy(gamma=4, tree_nodes=6)
+    assert fixed.decide([GammaState()]) == Shape(4, 6)
+    adaptive = GammaPolicy(adaptive=True, tree_nodes=64)
+    shape = adaptive.decide([GammaState()], sampled=True)
+    assert shape.gamma >= 1 and shape.nodes == 0  # sampled batches keep chains
+
+
 def test_bounds_are_validated():
     with pytest.raises(ValueError):
         GammaPolicy(gamma=9, gamma_max=8)
@@ -327,6 +379,38 @@ def test_engine_feeds_every_decode_step_to_the_cost_model(target):
     assert all(m < 0.2 for m in bucket.seconds.levels().values())
 
 
+class CostlyDrafts(LocalStages):
+    """The real stages, with ``seconds`` of sleep in every verify that holds drafts: speculation that costs."""
+
+    def __init__(self, verifier, proposer, seconds: float):
+        super().__init__(verifier, proposer)
+        self.seconds = seconds
+        self.drafted: list[int] = []
+
+    def submit_verify(self, items, proposal, shard=0):
+        self.drafted.append(int(proposal.lengths.max()) if len(proposal.lengths) else 0)
+        if self.drafted[-1]:
+            time.sleep(self.seconds)
+        return super().submit_verify(items, proposal, shard)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_engine_decodes_plainly_where_speculation_costs_and_output_is_identical(target, noisy_draft, prompts,
+                                                                               micro_batches):
+    slots, tokens = len(prompts), 40
+    plain = Engine(LocalStages(VerifyStage(ModelRunner(target, max_slots=slots, max_len=128)), None),
+                   max_len=128, max_running=slots, speculate=False)
+    refs = [o.tokens for o in plain.generate([Request(p, max_tokens=tokens) for p in prompts])]
+    stages = CostlyDrafts(VerifyStage(ModelRunner(target, max_slots=slots, max_len=128)),
+                          DraftModelProposer(noisy_draft, max_slots=slots, max_len=128), seconds=0.05)
+    engine = Engine(stages, policy=GammaPolicy(adaptive=True), max_len=128, max_running=slots,
+                    micro_batches=micro_batches)
+    outs = engine.generate([Request(p, max_tokens=tokens) for p in prompts])
+    assert [o.tokens for o in outs] == refs
+    later = stages.drafted[len(stages.drafted) // 2:]
+    assert later.count(0) >= 0.7 * len(later), stages.drafted
+
+
 # -- token-tree shape (issue 15) -----------------------------------------------------------------------------
 
 
@@ -339,7 +423,7 @@ def _tree_step(policy: GammaPolicy, rows: int, gamma: int, tokens: dict[int, int
     if policy.costs.bucket(rows).steps == 0:
         for _ in range(policy.costs.min_samples):
             policy.observe_step(rows, 0, 0.8 * seconds[0])
-    nodes = policy.tree_budget(rows, gamma, sampled=False)
+    nodes = policy._tree(rows, gamma, sampled=False)
     width = (nodes or gamma) + 1
     state = GammaState()
     for _ in range(rows):
@@ -356,10 +440,10 @@ def test_tree_ladder_and_validation():
     with pytest.raises(ValueError, match="above gamma_max"):
         GammaPolicy(adaptive=True, gamma_max=8, tree_nodes=8)
     fixed = GammaPolicy(gamma=4, tree_nodes=6)  # a fixed γ drafts its tree every step, any size
-    assert fixed.tree_budget(1, 4, sampled=True) == 6 and fixed.tree_budget(1, 1, sampled=False) == 0
+    assert fixed._tree(1, 4, sampled=True) == 6 and fixed._tree(1, 1, sampled=False) == 0
     adaptive = GammaPolicy(adaptive=True, tree_nodes=64)
-    assert adaptive.tree_budget(1, 4, sampled=True) == 0  # sampled batches keep chains (true q, seeds)
-    assert adaptive.tree_budget(1, 4, sampled=False) == 0  # nothing measured yet: the chain first
+    assert adaptive._tree(1, 4, sampled=True) == 0  # sampled batches keep chains (true q, seeds)
+    assert adaptive._tree(1, 4, sampled=False) == 0  # nothing measured yet: the chain first
 
 
 @pytest.mark.parametrize("case,expected", [
@@ -400,8 +484,8 @@ def test_tree_budget_is_per_batch_bucket():
     for _ in range(40):
         _tree_step(policy, 1, 4, tokens, {0: 1.0, 16: 1.1, 32: 1.5, 64: 2.0})
         _tree_step(policy, 16, 4, tokens, {0: 1.0, 16: 3.0, 32: 5.0, 64: 9.0})
-    assert policy.tree_budget(1, 4, sampled=False) == 16
-    assert policy.tree_budget(16, 4, sampled=False) == 0
+    assert policy._tree(1, 4, sampled=False) == 16
+    assert policy._tree(16, 4, sampled=False) == 0
 
 
 def test_several_candidates_still_move_alpha():

@@ -45,7 +45,7 @@ def test_tag_keys() -> None:
 
 def test_batch_buckets_cover_the_batch_cap():
     from cluster.config import MAX_BATCH_CAP
-    from engine.goodput import batch_bucket
+    from runtime.runner import batch_bucket
 
     assert str(batch_bucket(MAX_BATCH_CAP)) == metrics.BATCH_BUCKETS[-1]
     assert {str(batch_bucket(n)) for n in range(1, 300)} <= set(metrics.BATCH_BUCKETS)

@@ -89,19 +89,15 @@ def test_growth_properties():
 
 def _tree_engine(target, draft, *, tree_nodes: int, gamma: int = 4, adaptive: bool = False, max_slots: int = 16,
                  acceptance=None):
-    from engine.assembly import EngineSettings, make_policy, make_verify_stage
+    from engine.assembly import EngineSettings, make_verify_stage
     from engine.assembly import make_engine as assemble
     from engine.engine import LocalStages
 
     settings = EngineSettings(target=None, draft="built", max_len=MAX_LEN, max_slots=max_slots, gamma=gamma,
                               gamma_max=max(gamma, 8), adaptive=adaptive, tree_nodes=tree_nodes,
                               acceptance=acceptance or AcceptanceConfig())
-    policy = make_policy(settings)
-    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=max_slots, max_len=MAX_LEN, tree_nodes=tree_nodes,
-                                            tree_budget=policy.tree_budget if adaptive else None, tree_top_k=4))
-    engine = assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer))
-    engine.policy = policy
-    return engine, proposer
+    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=max_slots, max_len=MAX_LEN, tree_top_k=4))
+    return assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer)), proposer
 
 
 @pytest.mark.parametrize("tree_nodes,gamma", [(6, 3), (16, 5)])
@@ -153,9 +149,9 @@ def test_greedy_identity_sliding_window(family):
 
 
 def test_draft_cache_after_a_tree_step_is_the_committed_tokens(target, noisy_draft):
-    proposer = DraftModelProposer(noisy_draft, max_slots=2, max_len=MAX_LEN, tree_nodes=8, tree_top_k=3)
+    proposer = DraftModelProposer(noisy_draft, max_slots=2, max_len=MAX_LEN, tree_top_k=3)
     prompt = (5, 9, 13, 21, 8)
-    batch = proposer.propose([ProposeItem(SyncItem(0, 0, prompt), 3)])
+    batch = proposer.propose([ProposeItem(SyncItem(0, 0, prompt), 3, nodes=8)])
     assert wide(batch.row_parents(0)) and batch.q_ids is None
     state = proposer.runner.seqs[0]
     assert state.cached == list(prompt) and state.valid == len(prompt)
@@ -163,9 +159,9 @@ def test_draft_cache_after_a_tree_step_is_the_committed_tokens(target, noisy_dra
     # the draft re-feeds it, and drafts what a fresh runner fed the same tokens drafts.
     parents = batch.row_parents(0)
     nxt = batch.row_tokens(0)[max(i for i, p in enumerate(parents) if p == -1)]
-    again = proposer.propose([ProposeItem(SyncItem(0, len(prompt), (nxt, 7)), 3)])
-    fresh = DraftModelProposer(noisy_draft, max_slots=2, max_len=MAX_LEN, tree_nodes=8, tree_top_k=3)
-    expected = fresh.propose([ProposeItem(SyncItem(0, 0, prompt + (nxt, 7)), 3)])
+    again = proposer.propose([ProposeItem(SyncItem(0, len(prompt), (nxt, 7)), 3, nodes=8)])
+    fresh = DraftModelProposer(noisy_draft, max_slots=2, max_len=MAX_LEN, tree_top_k=3)
+    expected = fresh.propose([ProposeItem(SyncItem(0, 0, prompt + (nxt, 7)), 3, nodes=8)])
     assert again.row_tokens(0) == expected.row_tokens(0) and again.row_parents(0) == expected.row_parents(0)
 
 
@@ -175,8 +171,8 @@ def test_draft_cache_after_a_tree_step_is_the_committed_tokens(target, noisy_dra
 def test_sampled_tree_output_distribution_is_the_targets():
     target, draft = tiny_llama(11, vocab_size=V32), tiny_llama(12, vocab_size=V32)
     params = SamplingParams(temperature=0.8, top_k=12)
-    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=64, max_len=32, tree_nodes=6, tree_top_k=3))
-    engine = make_engine(target, proposer, gamma=2, max_slots=64, max_len=32)
+    proposer = RecordingProposer(DraftModelProposer(draft, max_slots=64, max_len=32, tree_top_k=3))
+    engine = make_engine(target, proposer, gamma=2, max_slots=64, max_len=32, tree_nodes=6)
     pairs = _sample_pairs(engine, params, seed0=5000)
     assert 0.05 < engine.stats.acceptance_rate < 0.9, "both the accept and the reject paths must run"
     assert sum(wide(t) for t in proposer.trees) > 1000
@@ -201,8 +197,9 @@ def test_seeded_sampled_trees_reproduce(target, noisy_draft, prompts):
 # -- branches ------------------------------------------------------------------------------------------------
 
 
-def _items(prompts, gamma, branch, sampling=None):
-    return [ProposeItem(SyncItem(i, 0, p), gamma, sampling or SamplingParams(), branch) for i, p in enumerate(prompts)]
+def _items(prompts, gamma, branch, sampling=None, nodes=0):
+    return [ProposeItem(SyncItem(i, 0, p), gamma, sampling or SamplingParams(), branch, nodes=nodes)
+            for i, p in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -234,8 +231,8 @@ def test_draft_branches(noisy_draft, prompts, sampled):
 
 
 def test_branch_rows_are_chains_even_with_a_tree_budget(noisy_draft, prompts):
-    proposer = DraftModelProposer(noisy_draft, max_slots=16, max_len=MAX_LEN, tree_nodes=8)
-    batch = proposer.propose(_items(prompts[:3], 3, 1))
+    proposer = DraftModelProposer(noisy_draft, max_slots=16, max_len=MAX_LEN)
+    batch = proposer.propose(_items(prompts[:3], 3, 1, nodes=8))
     assert batch.parents is None and batch.lengths.tolist() == [3, 3, 3]
 
 

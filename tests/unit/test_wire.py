@@ -139,6 +139,11 @@ def test_tree_width_is_bounded_by_tree_nodes() -> None:
         wire.decode_proposal(wire.encode_proposal(wide), LIMITS)
     trees = WireLimits(vocab_size=100, gamma_max=8, max_batch=16, max_seq_len=256, tree_nodes=LIMITS.gamma_max + 2)
     assert_same_batch(wide, wire.decode_proposal(wire.encode_proposal(wide), trees))
+    # The engine's tree budget for the step travels with the propose rows, bounded by the same limit.
+    items = [ProposeItem(SyncItem(1, 0, (5,)), gamma=3, nodes=trees.tree_nodes)]
+    assert wire.decode_propose(wire.encode_propose(items), trees) == items
+    with pytest.raises(WireError, match="propose.nodes"):
+        wire.decode_propose(wire.encode_propose(items), LIMITS)
     chain = tree_proposal(width=LIMITS.gamma_max + 2)
     chain.parents = None  # a chain stays bounded by gamma_max
     with pytest.raises(WireError, match="chain length"):
