@@ -96,8 +96,8 @@ class WidthCosts:
     alone, while a lasting change moves it after 4 steps (up) or 2 (down). A width not run for
     ``max_age`` samples is forgotten, so a cost measured in another spell does not linger at widths the
     policy has stopped using; width 1, the plain step every S is measured against, is kept (the policy
-    re-measures it on a schedule, not by use). Widths not measured, or whose estimate is more than 2× off
-    the others', are read off a Theil–Sen line through the estimates (median of pairwise slopes, never
+    re-measures it on a schedule, not by use). Widths not measured, or speculative ones whose estimate is
+    more than 2× off the others', are read off a Theil–Sen line through the estimates (median of pairwise slopes, never
     negative; robust to a minority of bad widths); with one measured width the cost is flat in the width
     (Leviathan's assumption, until a second width is measured).
     """
@@ -142,8 +142,12 @@ class WidthCosts:
         line = max(intercept + slope * width, min(known.values()) * min(1.0, width / next(iter(known))))
         # A width's own level where it agrees with the others; one more than 2× off the line was measured
         # in a bad spell (and is rarely re-measured once the policy avoids that width): the line instead.
+        # The plain step is the yardstick, measured on a schedule rather than by use: always its own level
+        # (a draft can add a fixed cost to every speculative width, leaving width 1 far below their line).
         measured = known.get(width)
-        return measured if measured is not None and line / 2 <= measured <= 2 * line else line
+        if measured is not None and (width == 1 or line / 2 <= measured <= 2 * line):
+            return measured
+        return line
 
 
 @dataclass

@@ -210,6 +210,10 @@ def test_width_costs_between_and_beyond_measured_widths():
     for width, seconds in ((1, 1.0), (2, 60.0), (3, 1.2), (4, 1.3), (5, 1.4)):
         stuck.add(width, seconds)
     assert stuck.predict(2) == pytest.approx(1.1) and stuck.predict(3) == 1.2  # the line replaces it
+    fixed_cost = WidthCosts(window=5, min_samples=1, max_age=100)  # every draft adds 50 ms; plain is 3.5 ms
+    for width, seconds in ((1, 0.0035), (2, 0.055), (3, 0.056), (4, 0.057), (5, 0.058)):
+        fixed_cost.add(width, seconds)
+    assert fixed_cost.predict(1) == 0.0035  # the yardstick keeps its own level, far below the line
 
 
 ALPHA_096 = lambda i, g: g if i % 25 else g // 2  # noqa: E731  every draft accepted but one in 25 steps
