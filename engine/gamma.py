@@ -330,7 +330,7 @@ class GammaPolicy:
         seconds = costs.level(width) if costs is not None else None
         return None if tokens is None or seconds is None else tokens / seconds
 
-    def speedup(self, alphas: Sequence[float], gamma: int) -> float:
+    def _speedup(self, alphas: Sequence[float], gamma: int) -> float:
         """Expected speed-up over plain decoding of γ drafts for a micro-batch of rows with these α."""
         cost = self.costs.relative_cost(len(alphas), gamma) if gamma else 1.0
         if cost is None:
@@ -344,12 +344,12 @@ class GammaPolicy:
         bucket = self.costs.bucket(len(states))
         alphas = [st.alpha(self.prior_alpha, self.prior_weight) for st in states]
         if not self.allow_off:
-            return max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
+            return max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
         if bucket.measure_plain:
             return 0
-        best = max(range(max(1, self.gamma_min), self.gamma_max + 1), key=lambda g: self.speedup(alphas, g))
+        best = max(range(max(1, self.gamma_min), self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
         bucket.off = False
-        if self.speedup(alphas, best) >= 1.0:
+        if self._speedup(alphas, best) >= 1.0:
             measured = self._measured_chains(bucket)
             if best not in measured or measured[best] >= 1.0 - self.margin:
                 return best
