@@ -132,30 +132,29 @@ def encode(row: dict, tok, chat: bool) -> dict:
             "continues": ""}
 
 
-def parse_batches(spec: str) -> list[int]:
-    """"1,2,4,8,16" or "none"."""
-    if spec.strip().lower() in ("", "none", "0"):
-        return []
-    try:
-        out = [int(part) for part in spec.split(",")]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"batch sizes are comma-separated integers, got {spec!r}") from e
-    if any(b < 1 for b in out):
-        raise argparse.ArgumentTypeError(f"batch sizes must be ≥ 1, got {spec!r}")
-    return out
-
-
-def parse_gammas(spec: str) -> list[int]:
-    """"1-8", "1,2,4,8" or "none"."""
+def parse_counts(spec: str, what: str) -> list[int]:
+    """"1-8", "1,2,4,8" or "none": positive integers, sorted, each once."""
     if spec.strip().lower() in ("", "none"):
         return []
     out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    if any(g < 1 for g in out):
-        raise argparse.ArgumentTypeError(f"fixed γ must be ≥ 1, got {spec!r}")
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{what}: comma-separated integers or ranges a-b, got {spec!r}") from e
+    if any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"{what} must be ≥ 1, got {spec!r}")
     return sorted(set(out))
+
+
+def parse_gammas(spec: str) -> list[int]:
+    return parse_counts(spec, "fixed γ")
+
+
+def parse_batches(spec: str) -> list[int]:
+    """Batch sizes; "0" (the old option's "no row") reads as none."""
+    return [] if spec.strip() == "0" else parse_counts(spec, "batch sizes")
 
 
 def parse_trees(spec: str) -> list[tuple[int, int]]:
