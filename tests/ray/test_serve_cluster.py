@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 APP = "spec-handles"
 MAX_TOKENS = 24
+# The draft-replica kill's batch: 16 requests long enough (~20 steps of γ + 1 tokens) that the kill lands
+# while they draft, however slowly the machine steps.
+KILL_PROMPTS, KILL_TOKENS = 16, 96
 ARGS = {
     "target": {"path": "builtin:tiny", "max_model_len": 256},
     "draft": {"kind": "model", "path": "builtin:tiny"},
@@ -41,6 +44,11 @@ def prompts():
 @pytest.fixture(scope="module")
 def references(prompts):
     return tiny_greedy(prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def long_references(prompts):
+    return tiny_greedy(prompts[:KILL_PROMPTS], KILL_TOKENS)
 
 
 # A single-process verifier over handles runs in tests/ray/test_reliability_faults.py (exact outputs, the
@@ -102,27 +110,27 @@ def _wait_for_workers(router, drafts: int, timeout_s: float) -> dict:
         time.sleep(0.2)
 
 
-def _request(prompt):
+def _request(prompt, max_tokens: int = MAX_TOKENS):
     from deployments.api import GenerateRequest
 
-    return GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS)
+    return GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens)
 
 
-async def _collect_stream(router, prompt) -> list[int]:
+async def _collect_stream(router, prompt, max_tokens: int = MAX_TOKENS) -> list[int]:
     tokens, last = [], None
-    async for chunk in router.options(stream=True).generate_stream.remote(_request(prompt)):
+    async for chunk in router.options(stream=True).generate_stream.remote(_request(prompt, max_tokens)):
         tokens.extend(chunk.token_ids)
         last = chunk
     assert last is not None and last.finish_reason == "length" and last.stats is not None
     return tokens
 
 
-async def _run_mixed(router, prompts) -> list[list[int]]:
+async def _run_mixed(router, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Half the requests unary, half streaming, all in flight at once."""
     async def unary(p):
-        return (await router.generate.remote(_request(p))).token_ids
+        return (await router.generate.remote(_request(p, max_tokens))).token_ids
 
-    tasks = [unary(p) if i % 2 == 0 else _collect_stream(router, p) for i, p in enumerate(prompts)]
+    tasks = [unary(p) if i % 2 == 0 else _collect_stream(router, p, max_tokens) for i, p in enumerate(prompts)]
     return await asyncio.gather(*tasks)
 
 
@@ -163,7 +171,7 @@ def test_64_concurrent_streaming_and_unary(router, prompts, references):
         assert drafts >= 1.5 * verifies, (was, calls)
 
 
-def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
+def test_killing_a_draft_replica_loses_no_request(router, prompts, references, long_references):
     import ray
 
     before = router.info.remote().result()["fallbacks"]
@@ -177,16 +185,16 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references):
         # the batch starts so that nothing but the kill comes between its first step and the kill.
         victim = (await pool.options(multiplexed_model_id=f"{info['shard_prefix']}-0").stats.remote())["actor_name"]
         victim = ray.get_actor(victim, namespace="serve")
-        task = asyncio.ensure_future(_run_mixed(router, prompts))
+        task = asyncio.ensure_future(_run_mixed(router, prompts[:KILL_PROMPTS], KILL_TOKENS))
         # The batch is under way. Kill early: with the draft equal to the target every step emits γ + 1
-        # tokens, so a micro-batch is done drafting after ~5 steps.
+        # tokens, so a micro-batch is done drafting after ~KILL_TOKENS / 5 steps.
         while (await router.info.remote())["stats"]["steps"] < info["stats"]["steps"] + 1:
             await asyncio.sleep(0.005)
         ray.kill(victim, no_restart=True)
         return await task
 
     outputs = asyncio.run(scenario())
-    mismatched = [i for i, (o, r) in enumerate(zip(outputs, references)) if o != r]
+    mismatched = [i for i, (o, r) in enumerate(zip(outputs, long_references)) if o != r]
     assert not mismatched, f"outputs differ after a draft replica died: {mismatched[:5]}"
     info = router.info.remote().result()
     assert info["fallbacks"] > before
