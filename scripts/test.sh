@@ -15,6 +15,7 @@ fi
 # at a time (tests/ray share one local cluster and time their own latencies; tests/gpu share the device).
 cores=$(.venv/bin/python -c "from cluster.node import cpu_cores; print(cpu_cores())")
 status=0
-"${pytest[@]}" -n "$cores" tests/unit || status=$?
-"${pytest[@]}" tests --ignore=tests/unit || status=$?
+# The slowest tests of each part are listed at the end: the suite's time budget is 25 minutes.
+"${pytest[@]}" -n "$cores" --durations=10 tests/unit || status=$?
+"${pytest[@]}" --durations=25 tests --ignore=tests/unit || status=$?
 exit $status

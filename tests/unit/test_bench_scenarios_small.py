@@ -40,7 +40,8 @@ def bench(*args: str, timeout: int = 280) -> subprocess.CompletedProcess:
 
 def test_small_run_writes_a_complete_report(tmp_path):
     out = tmp_path / "scen"
-    done = bench("--prompts", "2", "--max-tokens", "8", "--batch", "1,2", "--fixed-gammas", "1-3", "--out", str(out))
+    done = bench("--prompts", "2", "--max-tokens", "8", "--batch", "1,2", "--fixed-gammas", "1-3",
+                 "--trees", "3:8,4:16", "--auto-tree-nodes", "16", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "scenarios.json").read_text())
     assert [r["scenario"] for r in report["scenarios"]] == ["json", "code", "prose"]
