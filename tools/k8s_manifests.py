@@ -5,13 +5,15 @@
     python scripts/render_k8s.py --config my.yaml --image reg/specserve:1.2 --out-dir out/ \
         [--gcs-ft-redis redis:6379 --redis-password-secret redis-password-secret:password]
 
-Files (a run without options writes all three into k8s/; with options, the first two, into --out-dir):
+Files (a run without options writes all four into k8s/; with options, all but the GCS one, into --out-dir):
 - ``rayservice.yaml``: a ``RayService`` whose ``serveConfigV2`` is ``tools.serve_config.serve_config``
   of the same ClusterConfig — the placement (role resources, accelerator types) in the Serve app's args and
   the worker groups below come from one file, so they cannot drift (tests re-render and compare).
 - ``raycluster.yaml``: a ``RayCluster`` with the same layout, for ``serve deploy`` by hand.
 - ``rayservice-gcs-ft.yaml``: the RayService with ``gcsFaultToleranceOptions`` (external Redis; the password
   from a Secret), which lets Serve keep serving through a head-pod restart.
+- ``networkpolicy.yaml``: a ``NetworkPolicy`` (``network_policy``) that lets only the cluster's own pods reach
+  Ray's ports, the KubeRay operator the dashboard, and anyone the HTTP API and the metrics port.
 
 Layout (``cluster.placement.REFERENCE_NODES``): a CPU head with ``num-cpus: 0`` (no replicas), one worker
 group per GPU node type — ``verifier-h200`` (``nvidia.com/gpu: 8``, ``specserve_target: 8``) and
@@ -159,7 +161,8 @@ def ray_cluster_spec(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_r
     spec["headGroupSpec"] = {
         # num-cpus 0: no replica lands on the head; Serve's controller and proxy reserve no CPU.
         # dashboard-host 0.0.0.0 inside the pod: the KubeRay operator deploys serveConfigV2 and reads Serve's
-        # status through the dashboard API via the head Service; token auth (authOptions) guards it.
+        # status through the dashboard API via the head Service; token auth (authOptions) guards it, and
+        # networkpolicy.yaml lets only the operator's pods and the cluster's own reach it.
         "rayStartParams": {"num-cpus": str(int(head.resources.get("CPU", 0))), "dashboard-host": "0.0.0.0"},
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": NAME, "specserve/role": "head"}},
@@ -185,15 +188,50 @@ def render(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_redis: str 
     return {"RayService": service, "RayCluster": ray_cluster}
 
 
-def _header(kind: str, what: str, source: str, flags: str) -> str:
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the labels KubeRay's Helm chart gives it
+DASHBOARD_PORT, METRICS_PORT = 8265, 8080  # Ray's dashboard; the metrics port KubeRay gives every Ray pod
+
+
+def network_policy(cfg: ClusterConfig) -> dict[str, Any]:
+    """A NetworkPolicy for every specserve pod: from each other, every port (GCS, raylets, object
+    transfers); from the KubeRay operator's pods in any namespace, the dashboard (it deploys the app and
+    reads its status there); from anywhere, the HTTP API (``http.port``, guarded by the API key) and the
+    metrics port (Prometheus). Nothing else reaches Ray's ports, whatever else runs in the Kubernetes
+    cluster; token auth stays on behind it."""
+    pods = {"app.kubernetes.io/name": NAME}
+
+    def tcp(*ports: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": p} for p in ports]
+
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": NAME, "labels": dict(pods)},
+        "spec": {
+            "podSelector": {"matchLabels": dict(pods)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": dict(pods)}}]},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}],
+                 "ports": tcp(DASHBOARD_PORT)},
+                {"ports": tcp(cfg.http.port, METRICS_PORT)},
+            ],
+        },
+    }
+
+
+KUBERAY_NEEDS = ("KubeRay >= 1.5.1 (authOptions), the Secret specserve-api-key (key api-key) and the PVC "
+                 "specserve-models")
+
+
+def _header(kind: str, what: str, source: str, flags: str, needs: str = KUBERAY_NEEDS) -> str:
     return (f"# {kind}: {what}\n# Rendered by scripts/render_k8s.py{flags} from {source}; do not edit by hand.\n"
-            "# Needs KubeRay >= 1.5.1 (authOptions), the Secret specserve-api-key (key api-key) and the PVC "
-            "specserve-models: docs/platform.md.\n")
+            f"# Needs {needs}: docs/platform.md.\n")
 
 
 def render_files(config: str = DEFAULT_CONFIG, *, image: str = DEFAULT_IMAGE, gcs_ft_redis: str | None = None,
                  redis_password_secret: tuple[str, str] = ("redis-password-secret", "password")) -> dict[str, str]:
-    """``rayservice.yaml`` and ``raycluster.yaml`` for a config (GCS fault tolerance on with ``gcs_ft_redis``)."""
+    """``rayservice.yaml``, ``raycluster.yaml`` and ``networkpolicy.yaml`` for a config (GCS fault tolerance on
+    with ``gcs_ft_redis``)."""
     cfg = ClusterConfig.from_yaml(REPO / config if not Path(config).is_absolute() else config)
     docs = render(cfg, image=image, gcs_ft_redis=gcs_ft_redis, redis_password_secret=redis_password_secret)
     flags = "" if image == DEFAULT_IMAGE else f" --image {image}"
@@ -207,6 +245,9 @@ def render_files(config: str = DEFAULT_CONFIG, *, image: str = DEFAULT_IMAGE, gc
         + dump_yaml(docs["RayService"]),
         "raycluster.yaml": _header("RayCluster", "the same layout; deploy the app with `serve deploy`." + ft, config,
                                    flags) + dump_yaml(docs["RayCluster"]),
+        "networkpolicy.yaml": _header("NetworkPolicy", "who reaches the specserve pods, on which ports.", config,
+                                      flags, needs="a network plugin that enforces NetworkPolicy")
+        + dump_yaml(network_policy(cfg)),
     }
 
 

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD_DIR = K8S / "schemas" / "kuberay"
 CRD_FILES = ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml")
-FILES = ("rayservice.yaml", "raycluster.yaml", "rayservice-gcs-ft.yaml")
+FILES = ("rayservice.yaml", "raycluster.yaml", "rayservice-gcs-ft.yaml")  # KubeRay resources
+POLICY = "networkpolicy.yaml"
 
 
 def load(name: str) -> dict[str, Any]:
@@ -71,7 +72,7 @@ def node_types(doc: dict[str, Any]) -> list[NodeType]:
 
 def test_committed_manifests_are_current() -> None:
     rendered = committed_files()
-    assert sorted(rendered) == sorted(FILES)
+    assert sorted(rendered) == sorted((*FILES, POLICY))
     for name, text in rendered.items():
         on_disk = (K8S / name).read_text(encoding="utf-8") if (K8S / name).is_file() else None
         assert on_disk == text, f"k8s/{name} is stale: run python scripts/render_k8s.py"
@@ -118,6 +119,30 @@ def test_groups_pin_their_machines_and_token_auth_is_on() -> None:
         volume = next(v for v in pod_spec["volumes"] if v["name"] == "api-key")
         assert volume["secret"] == {"secretName": "specserve-api-key", "items": [{"key": "api-key", "path": "api_key"}]}
         assert {"name": "api-key", "mountPath": "/home/ray/.specserve", "readOnly": True} in container["volumeMounts"]
+
+
+def test_the_network_policy_admits_the_cluster_the_operator_and_the_api() -> None:
+    """Ray's ports reach the cluster's own pods only; the dashboard, which the head binds to its pod address
+    for the operator, the operator's pods too; the HTTP API and the metrics port anyone."""
+    policy, spec = load(POLICY), cluster_spec(load("rayservice.yaml"))
+    cfg = ClusterConfig.from_yaml(REPO / DEFAULT_CONFIG)
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    for pod in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:  # it covers every pod of the cluster
+        assert selected.items() <= pod["template"]["metadata"]["labels"].items(), pod["template"]["metadata"]
+    own, operator, anyone = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selected}}]}  # every port, from the cluster's pods
+    assert operator["from"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kuberay-operator"}}}]
+    assert [p["port"] for p in operator["ports"]] == [8265]
+    assert "from" not in anyone and sorted(p["port"] for p in anyone["ports"]) == sorted([cfg.http.port, 8080])
+    (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert head_ports["dashboard"] == 8265 and head_ports["serve"] == cfg.http.port
+    outside = {p["port"] for rule in (operator, anyone) for p in rule["ports"]}
+    assert not outside & {head_ports["gcs-server"], head_ports["client"]}  # GCS and Ray client: the cluster's only
+    # a custom render writes it too, for its own HTTP port
+    assert "networkpolicy.yaml" in render_files(image="reg.example/specserve:2")
 
 
 def test_gcs_fault_tolerance_flag() -> None:
