@@ -48,6 +48,9 @@ DEFAULT_CONFIG = "cluster/examples/h200.yaml"
 DEFAULT_IMAGE = "registry.example.com/specserve:0.1.0"  # replace: the project image (docs/platform.md)
 RAY_VERSION = "2.60.0"
 NAME = "specserve"
+APP_LABELS = {"app.kubernetes.io/name": NAME}  # on every pod and object: what the NetworkPolicy selects
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the labels KubeRay's Helm chart gives it
+DASHBOARD_PORT, METRICS_PORT = 8265, 8080  # Ray's dashboard; the metrics port KubeRay gives every Ray pod
 NODE_SELECTOR_KEY = "node.kubernetes.io/instance-type"
 API_KEY_SECRET = ("specserve-api-key", "api-key")  # Secret name and key holding the HTTP API key
 IMAGE_HOME = "/home/ray"  # HOME of the rayproject images' user: what `~` in http.api_key_file means in a pod
@@ -100,7 +103,8 @@ def _container(name: str, image: str, size: Mapping[str, str], gpus: int, env: l
     c: dict[str, Any] = {"name": name, "image": image, "env": env,
                          "resources": {"limits": limits, "requests": dict(limits)}}
     if head:
-        c["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+        c["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
+                      {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
                       {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
         if key_mounts:
             c["volumeMounts"] = list(key_mounts)
@@ -119,7 +123,7 @@ def _worker_group(node: NodeType, image: str, env: list, key_file: tuple[list, l
         "maxReplicas": node.max_count,
         "rayStartParams": {"resources": _ray_resources(node)},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": NAME, "specserve/role": ROLES[node.name]}},
+            "metadata": {"labels": {**APP_LABELS, "specserve/role": ROLES[node.name]}},
             "spec": {
                 "nodeSelector": {NODE_SELECTOR_KEY: node.instance_type},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -165,7 +169,7 @@ def ray_cluster_spec(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_r
         # networkpolicy.yaml lets only the operator's pods and the cluster's own reach it.
         "rayStartParams": {"num-cpus": str(int(head.resources.get("CPU", 0))), "dashboard-host": "0.0.0.0"},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": NAME, "specserve/role": "head"}},
+            "metadata": {"labels": {**APP_LABELS, "specserve/role": "head"}},
             "spec": {"containers": [_container("ray-head", image, POD_SIZE["head"], 0, env, key_file[1], head=True)],
                      **({"volumes": key_file[0]} if key_file[0] else {})},
         },
@@ -179,7 +183,7 @@ def render(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_redis: str 
     """``{"RayService": ..., "RayCluster": ...}`` manifests for ``cfg``."""
     cluster = ray_cluster_spec(cfg, image=image, gcs_ft_redis=gcs_ft_redis,
                                redis_password_secret=redis_password_secret)
-    meta = {"name": NAME, "labels": {"app.kubernetes.io/name": NAME}}
+    meta = {"name": NAME, "labels": dict(APP_LABELS)}
     service = {
         "apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta,
         "spec": {"serveConfigV2": dump_yaml(serve_config(cfg)), "rayClusterConfig": cluster},
@@ -188,29 +192,23 @@ def render(cfg: ClusterConfig, *, image: str = DEFAULT_IMAGE, gcs_ft_redis: str 
     return {"RayService": service, "RayCluster": ray_cluster}
 
 
-OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the labels KubeRay's Helm chart gives it
-DASHBOARD_PORT, METRICS_PORT = 8265, 8080  # Ray's dashboard; the metrics port KubeRay gives every Ray pod
-
-
 def network_policy(cfg: ClusterConfig) -> dict[str, Any]:
     """A NetworkPolicy for every specserve pod: from each other, every port (GCS, raylets, object
     transfers); from the KubeRay operator's pods in any namespace, the dashboard (it deploys the app and
     reads its status there); from anywhere, the HTTP API (``http.port``, guarded by the API key) and the
     metrics port (Prometheus). Nothing else reaches Ray's ports, whatever else runs in the Kubernetes
     cluster; token auth stays on behind it."""
-    pods = {"app.kubernetes.io/name": NAME}
-
     def tcp(*ports: int) -> list[dict[str, Any]]:
         return [{"protocol": "TCP", "port": p} for p in ports]
 
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": NAME, "labels": dict(pods)},
+        "metadata": {"name": NAME, "labels": dict(APP_LABELS)},
         "spec": {
-            "podSelector": {"matchLabels": dict(pods)},
+            "podSelector": {"matchLabels": dict(APP_LABELS)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": dict(pods)}}]},
+                {"from": [{"podSelector": {"matchLabels": dict(APP_LABELS)}}]},
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}],
                  "ports": tcp(DASHBOARD_PORT)},
                 {"ports": tcp(cfg.http.port, METRICS_PORT)},
