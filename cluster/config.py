@@ -585,6 +585,22 @@ class StructuredSpec(_Spec):
     )
 
 
+class KVSpec(_Spec):
+    block_size: int = Field(
+        D.KV_BLOCK_SIZE, ge=1, le=4096, description="Positions per KV block. Each model's KV pool is a pool of "
+        "blocks; a sequence holds the blocks its tokens fill, taken as it grows and returned when it ends."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="Blocks in each KV pool (the target's, each draft replica's, each tensor-parallel "
+        "rank's). Default: every slot's sequence at target.max_model_len, the most it can need."
+    )
+    prefix_cache: bool = Field(
+        D.PREFIX_CACHE, description="Keep full blocks of committed tokens after a sequence ends, and start a new "
+        "sequence whose prompt begins with the same tokens from them: a shared system prompt or a conversation's "
+        "earlier turns are computed once, for the target and the draft. Never holds draft tokens."
+    )
+
+
 class ClusterBudget(_Spec):
     total_gpus: float = Field(
         ge=0, description="GPUs in the whole cluster, every node and type; Ray reservations must fit."
@@ -612,6 +628,7 @@ class ClusterConfig(_Spec):
         default_factory=StructuredSpec, description="Structured outputs (response_format, structured_outputs): "
         "limits on the grammars requests may ask for."
     )
+    kv: KVSpec = Field(default_factory=KVSpec, description="The paged KV pools and the prefix cache.")
     cluster: ClusterBudget | None = Field(None, description="The cluster's GPUs, to check reservations fit (optional).")
 
     SEEDS_KEY: ClassVar[str] = "speculative_decoding"

@@ -161,6 +161,14 @@ def overview() -> Board:
         Panel("KV slots in use", (_t(gauge(m.KV_SLOTS_IN_USE, "model"), "{{model}} in use"),
                                   _t(gauge(m.KV_SLOTS_CAPACITY, "model"), "{{model}} capacity")), "short"),
         Panel("Cancelled / s", (_t(or_zero(rate(m.REQUESTS_CANCELLED, by="phase")), "{{phase}}"),), "reqps"),
+        Panel("KV blocks in use", (_t(gauge(m.KV_BLOCKS_IN_USE, "model"), "{{model}} in use"),
+                                   _t(gauge(m.KV_BLOCKS_CAPACITY, "model"), "{{model}} capacity")), "short",
+              description="Blocks held by sequences; cached blocks no sequence holds count as free."),
+        Panel("Prefix cache hit rate", (_t(ratio(rate(m.PREFIX_CACHE_HIT_TOKENS, by="model"),
+                                                 rate(m.PREFIX_CACHE_LOOKUP_TOKENS, by="model")), "{{model}}"),),
+              "percentunit", description="Prompt tokens found cached over prompt tokens looked up."),
+        Panel("Preemptions / s", (_t(or_zero(rate(m.PREEMPTIONS)), "preempted"),), "ops",
+              description="Sequences sent back to the queue because the KV pools could not hold them all."),
     ))
 
 

@@ -26,3 +26,12 @@ GRAMMAR_MAX_BYTES = 256 * 1024
 GRAMMAR_COMPILE_TIMEOUT_S = 5.0
 GRAMMAR_CACHE_SIZE = 256
 FORCED_TOKENS = True  # a constrained row's forced runs are drafted by the grammar itself (q = 1)
+# Paged KV (issue 33): positions per KV block, and whether full blocks of committed tokens are kept and reused
+# by later sequences that start with the same tokens
+KV_BLOCK_SIZE = 16
+PREFIX_CACHE = True
+
+
+def kv_blocks(slots: int, max_len: int, block_size: int) -> int:
+    """The blocks a KV pool has by default: every slot's sequence at ``max_len`` (``runtime.kv_cache``)."""
+    return slots * -(-max_len // block_size)

@@ -9,8 +9,9 @@ Per replica, in bytes:
 - **prepacked copy**: on CPU in float32 the Linear weights are held once, in oneDNN's packed layout
   (``runtime/cpu_linear.py``); only an LM head tied to the embedding is held twice (the embedding needs
   the dense matrix), and that second copy is this row.
-- **KV cache**: the preallocated pool, ``2 × layers × slots × (max_model_len + 1) × kv_heads × head_dim``.
-  The verifier has ``router.max_running`` slots, a draft replica ``draft_slots``.
+- **KV cache**: the preallocated pool of blocks, ``2 × layers × (blocks + 1) × block_size × kv_heads ×
+  head_dim`` (one scratch block); by default ``blocks`` holds every slot's sequence at ``max_model_len``
+  (``defaults.kv_blocks``). The verifier has ``router.max_running`` slots, a draft replica ``draft_slots``.
 - **workspace**: the largest step's activations. Prefill is not chunked, so the worst step is a whole
   micro-batch (``⌈max_running / micro_batches⌉`` rows) joining with prompts of ``max_model_len`` tokens:
   about ``3·intermediate + 6·hidden`` floats per token at the MLP, plus the attention mask; or, for large
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster import defaults as D
 from cluster.builtin_models import TINY_TARGET
 from cluster.model_files import ModelFileError, locate, read_gguf_metadata
 
@@ -98,9 +100,8 @@ class ModelShape:
         head = 0 if self.tied else self.embedding_params
         return self.embedding_params + head + self.num_layers * self.layer_linear_params + self.other_params
 
-    def kv_bytes_per_slot(self, max_len: int, elem: int, tp: int = 1) -> int:
-        # +1 position: the scratch column that padded tokens write to (runtime/runner.py).
-        return 2 * self.num_layers * (max_len + 1) * (self.num_kv_heads // tp) * self.head_dim * elem
+    def kv_bytes_per_block(self, block_size: int, elem: int, tp: int = 1) -> int:
+        return 2 * self.num_layers * block_size * (self.num_kv_heads // tp) * self.head_dim * elem
 
 
 def read_shape(path: str, where: str) -> ModelShape:
@@ -177,6 +178,8 @@ class ModelLoad:
     rows: int  # most rows one forward carries
     logits: int  # logit positions per row (γ_max + 1 for the verifier, 1 for a draft step)
     tp: int = 1
+    block_size: int = D.KV_BLOCK_SIZE
+    num_blocks: int | None = None  # None: every slot at max_len
 
     @property
     def packed(self) -> bool:
@@ -191,7 +194,8 @@ class ModelLoad:
         return self.shape.embedding_params * FLOAT32 if self.packed and self.shape.tied else 0
 
     def kv_cache(self) -> int:
-        return self.slots * self.shape.kv_bytes_per_slot(self.max_len, DTYPE_BYTES[self.dtype], self.tp)
+        blocks = (self.num_blocks or D.kv_blocks(self.slots, self.max_len, self.block_size)) + 1  # + scratch
+        return blocks * self.shape.kv_bytes_per_block(self.block_size, DTYPE_BYTES[self.dtype], self.tp)
 
     def workspace(self) -> int:
         s, tp, K = self.shape, self.tp, self.max_len
@@ -370,9 +374,10 @@ def plan(cfg: "ClusterConfig") -> MemoryPlan:
     rows = math.ceil(cfg.router.max_running / cfg.router.step_micro_batches)
     max_len, gamma_max = cfg.target.max_model_len, cfg.speculation.gamma_max
     t_dev = target_device(cfg)
+    kv = {"block_size": cfg.kv.block_size, "num_blocks": cfg.kv.num_blocks}
     target = ModelLoad(read_shape(cfg.target.path, "target.path"), t_dev,
                        resolve_dtype(cfg.target.dtype, on_gpu=t_dev == "cuda"), slots=cfg.router.max_running,
-                       max_len=max_len, rows=rows, logits=gamma_max + 1, tp=cfg.target.tensor_parallel)
+                       max_len=max_len, rows=rows, logits=gamma_max + 1, tp=cfg.target.tensor_parallel, **kv)
     draft = None
     together = draft_in_target_process(cfg)
     if cfg.draft.kind == "model":
@@ -380,7 +385,7 @@ def plan(cfg: "ClusterConfig") -> MemoryPlan:
         draft = ModelLoad(read_shape(cfg.draft.path or "", "draft.path"), d_dev,
                           resolve_dtype(cfg.draft.dtype, on_gpu=d_dev == "cuda"),
                           slots=cfg.router.max_running if together else draft_slots(cfg), max_len=max_len,
-                          rows=rows, logits=1)
+                          rows=rows, logits=1, **kv)
     groups, tp, v_gpus = cfg.verifier.num_groups, cfg.target.tensor_parallel, cfg.verifier.num_gpus
     pool = cfg.draft_pool
     colocated_draft = (draft,) if draft is not None and together else ()

@@ -36,6 +36,11 @@ QUEUE_DEPTH = "specserve_queue_depth"
 ACCEPTANCE_RATE = "specserve_acceptance_rate"
 KV_SLOTS_IN_USE = "specserve_kv_slots_in_use"
 KV_SLOTS_CAPACITY = "specserve_kv_slots_capacity"
+KV_BLOCKS_IN_USE = "specserve_kv_blocks_in_use"
+KV_BLOCKS_CAPACITY = "specserve_kv_blocks_capacity"
+PREFIX_CACHE_LOOKUP_TOKENS = "specserve_prefix_cache_lookup_tokens"
+PREFIX_CACHE_HIT_TOKENS = "specserve_prefix_cache_hit_tokens"
+PREEMPTIONS = "specserve_preemptions"
 REJECTIONS = "specserve_rejections"
 STAGE_SECONDS = "specserve_stage_seconds"
 STEPS = "specserve_steps"
@@ -185,6 +190,37 @@ METRICS: dict[str, MetricSpec] = {
             "gauge",
             "Preallocated KV-cache slots in all, per model (the denominator of KV occupancy).",
             tag_keys=("model",),
+        ),
+        MetricSpec(
+            KV_BLOCKS_IN_USE,
+            "gauge",
+            "KV blocks held by sequences, per model (blocks of the prefix cache no sequence holds are free).",
+            tag_keys=("model",),
+        ),
+        MetricSpec(
+            KV_BLOCKS_CAPACITY,
+            "gauge",
+            "KV blocks in each pool, per model (kv.num_blocks).",
+            tag_keys=("model",),
+        ),
+        MetricSpec(
+            PREFIX_CACHE_LOOKUP_TOKENS,
+            "counter",
+            "Prompt tokens looked up in the prefix cache (whole blocks, at most the prompt length - 1), per "
+            "model; hit / lookup tokens is the cache's hit rate.",
+            tag_keys=("model",),
+        ),
+        MetricSpec(
+            PREFIX_CACHE_HIT_TOKENS,
+            "counter",
+            "Prompt tokens found in the prefix cache, so not computed again, per model.",
+            tag_keys=("model",),
+        ),
+        MetricSpec(
+            PREEMPTIONS,
+            "counter",
+            "Running sequences sent back to the queue because the KV pools could not hold them all; each is "
+            "re-prefilled when it runs again (its output is unchanged).",
         ),
         MetricSpec(
             REJECTIONS,

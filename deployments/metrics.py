@@ -100,13 +100,17 @@ class RouterMetrics:
                         names.STEP_SECONDS, names.STEP_TOKENS, names.TTFT, names.INTER_TOKEN_LATENCY,
                         names.REQUEST_LATENCY, names.FIDELITY_CHECKS, names.FIDELITY_FIRST_DIFFERENCE,
                         names.STRUCTURED_REQUESTS, names.GRAMMAR_COMPILE_SECONDS, names.MASK_SECONDS,
-                        names.FORCED_TOKENS)
+                        names.FORCED_TOKENS, names.PREEMPTIONS)
         self.seen = SpecStats()
+        self.preempted = 0
         watch_gpus()
 
     def after_step(self, totals: SpecStats, timings: list[tuple[str, float, float]], step_wall: float,
-                   waited: float, running: int, queued: int) -> None:
+                   waited: float, running: int, queued: int, preempted: int) -> None:
         m, seen = self.m, self.seen
+        if preempted > self.preempted:
+            m[names.PREEMPTIONS].inc(preempted - self.preempted)
+        self.preempted = preempted
         for name, now, before in ((names.DRAFTS, totals.steps, seen.steps),
                                   (names.DRAFT_TOKENS, totals.proposed, seen.proposed),
                                   (names.DRAFT_NODES, totals.nodes, seen.nodes),
@@ -223,15 +227,25 @@ def watch_gpus() -> None:
         GAUGES.add_sampler(_gpus.sample)
 
 
-class SlotGauge:
-    """A replica's KV slots of one model (``capacity`` when the caller passes it) and its node's GPUs."""
+class KVGauges:
+    """A replica's KV pool of one model — slots, blocks, prefix-cache lookups — and its node's GPUs."""
 
     def __init__(self, model: str):
-        self.m = create(names.KV_SLOTS_IN_USE, names.KV_SLOTS_CAPACITY)
-        self.model = model
+        self.m = create(names.KV_SLOTS_IN_USE, names.KV_SLOTS_CAPACITY, names.KV_BLOCKS_IN_USE,
+                        names.KV_BLOCKS_CAPACITY, names.PREFIX_CACHE_LOOKUP_TOKENS, names.PREFIX_CACHE_HIT_TOKENS)
+        self.tags = {"model": model}
+        self.counted = (0, 0)  # lookup and hit tokens already exported
         watch_gpus()
 
-    def set(self, value: int, capacity: int | None = None) -> None:
-        GAUGES.set(self.m[names.KV_SLOTS_IN_USE], value, {"model": self.model})
-        if capacity is not None:
-            GAUGES.set(self.m[names.KV_SLOTS_CAPACITY], capacity, {"model": self.model})
+    def update(self, runner) -> None:
+        """From a ``runtime.runner.ModelRunner`` after a stage call."""
+        pool, m, tags = runner.pool, self.m, self.tags
+        GAUGES.set(m[names.KV_SLOTS_IN_USE], runner.slots_in_use, tags)
+        GAUGES.set(m[names.KV_SLOTS_CAPACITY], runner.max_slots, tags)
+        GAUGES.set(m[names.KV_BLOCKS_IN_USE], pool.blocks_in_use, tags)
+        GAUGES.set(m[names.KV_BLOCKS_CAPACITY], pool.num_blocks, tags)
+        for name, now, before in ((names.PREFIX_CACHE_LOOKUP_TOKENS, pool.lookup_tokens, self.counted[0]),
+                                  (names.PREFIX_CACHE_HIT_TOKENS, pool.hit_tokens, self.counted[1])):
+            if now > before:
+                m[name].inc(now - before, tags=tags)
+        self.counted = (pool.lookup_tokens, pool.hit_tokens)

@@ -167,7 +167,10 @@ class Router:
             seed=req.seed)  # None: the engine draws one and leaves the request's γ to the adaptive policy
         request = Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling, stop=tuple(req.stop),
                           ignore_eos=req.ignore_eos, grammar=grammar)
-        admitted = self.service.submit(request, stream=stream)
+        try:
+            admitted = self.service.submit(request, stream=stream)
+        except ValueError as exc:  # the engine's own admission checks (a KV pool too small for the request)
+            raise InvalidRequest(str(exc), "max_tokens", "context_length_exceeded") from None
         if admitted is None:
             raise Overloaded(f"{len(self.service.live)} requests in flight (limit {self.service.capacity}); "
                              "retry later", retry_after_s=1.0)

@@ -32,7 +32,8 @@ def engine_settings(cfg: ClusterConfig, *, max_slots: int | None = None) -> Engi
         acceptance=AcceptanceConfig(mode=spec.acceptance, threshold=spec.threshold or 0.9,
                                     dynamic_adjust=spec.dynamic_adjust, target_rate=spec.target_acceptance),
         draft_num=spec.draft_num, tree_nodes=spec.tree_nodes,
-        forced_tokens=spec.forced_tokens)
+        forced_tokens=spec.forced_tokens, kv_block_size=cfg.kv.block_size, kv_blocks=cfg.kv.num_blocks,
+        prefix_cache=cfg.kv.prefix_cache)
 
 
 def wire_limits(cfg: ClusterConfig) -> WireLimits:

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig
 from runtime import wire
-from deployments.metrics import SlotGauge
+from deployments.metrics import KVGauges
 from deployments.replica_process import model_process_env, start_replica, thread_info, use_threads
 from deployments.stage_workers import BusyLog, stage_stats, start_worker
 from deployments.transport.directory import app_key, worker_name
@@ -55,13 +55,13 @@ class StageHost:
         self.busy = BusyLog()
         self.worker = None
         self.serves: dict = {}  # runtime.wire.serve_call's stages, when this replica runs them itself
-        self._slots: tuple | None = None  # (SlotGauge, runner) of the model whose KV slots this replica reports
+        self._slots: tuple | None = None  # (KVGauges, runner) of the model whose KV slots this replica reports
 
     def _host(self, slot_gauge: str, **serves) -> None:
         """Run ``serves`` (``proposer=`` / ``verifier=``) in this replica, reporting the first model's slots."""
         self.serves = serves
         runner = next((getattr(s, "runner", None) for s in serves.values() if getattr(s, "runner", None)), None)
-        self._slots = (SlotGauge(slot_gauge), runner) if runner is not None else None
+        self._slots = (KVGauges(slot_gauge), runner) if runner is not None else None
 
     async def call(self, frame: bytes) -> bytes:
         """One stage call (``runtime.wire.serve_call``), run by this replica's model thread or passed to its
@@ -77,7 +77,7 @@ class StageHost:
         finally:
             if self._slots is not None:
                 gauge, runner = self._slots
-                gauge.set(runner.pool.slots_in_use, runner.pool.num_slots)
+                gauge.update(runner)
 
     def _start_worker(self, cfg: ClusterConfig, stage: str, role: str, build: Callable[[ClusterConfig], object],
                       *, generation: str, threads: int | str, num_gpus: float, slot_gauge: str) -> None:

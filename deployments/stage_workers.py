@@ -23,7 +23,7 @@ from typing import Callable
 
 import ray
 
-from deployments.metrics import SlotGauge
+from deployments.metrics import KVGauges
 from deployments.replica_process import use_threads
 from runtime import wire
 
@@ -61,7 +61,7 @@ class StageWorker:
         self.busy = BusyLog()
         self._lock = threading.Lock()
         self._runner = getattr(self.stage, "runner", None)
-        self._slots = SlotGauge(slot_gauge) if slot_gauge is not None and self._runner is not None else None
+        self._slots = KVGauges(slot_gauge) if slot_gauge is not None and self._runner is not None else None
 
     def call(self, frame: bytes) -> bytes:
         with self._lock:
@@ -72,7 +72,7 @@ class StageWorker:
             finally:
                 self.busy.add(start, time.time())
                 if self._slots is not None:
-                    self._slots.set(self._runner.pool.slots_in_use, self._runner.pool.num_slots)
+                    self._slots.update(self._runner)
 
     def ping(self) -> bool:
         return True
@@ -89,7 +89,7 @@ def stage_stats(stage, calls: int) -> dict:
     group's ranks (``health`` asks them, so this may block)."""
     runner = getattr(stage, "runner", None)
     health = getattr(stage, "health", None)
-    return {"pid": os.getpid(), "calls": calls, "slots_in_use": runner.pool.slots_in_use if runner is not None else 0,
+    return {"pid": os.getpid(), "calls": calls, "slots_in_use": runner.slots_in_use if runner is not None else 0,
             "sequences": len(runner.seqs) if runner is not None else len(getattr(stage, "histories", {})),
             "group": health() if health is not None else None}
 

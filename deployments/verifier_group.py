@@ -70,6 +70,7 @@ class GroupSpec:
     max_slots: int = 64
     max_len: int = 1024
     kv_bucket: int = 16
+    kv: dict = field(default_factory=dict)  # the ranks' KV pools: EngineSettings.kv_options()
     acceptance: AcceptanceConfig | None = None
     limits: wire.WireLimits | None = None  # None: what the ranks' runners can hold
     omp_threads: int | str | None = None  # None: the rank's whole-CPU reservation, at least 1
@@ -166,7 +167,7 @@ class VerifierRankActor:
                               cpu_shm_allreduce=spec.cpu_shm_allreduce, local_addr=ray.util.get_node_ip_address())
         self.tp = TPVerifierRank(spec.model, dist, device=spec.rank_device, dtype=spec.dtype,
                                  max_slots=spec.max_slots, max_len=spec.max_len, kv_bucket=spec.kv_bucket,
-                                 acceptance=spec.acceptance, threads=threads, tp_grain_size=spec.tp_grain_size,
+                                 kv=spec.kv, acceptance=spec.acceptance, threads=threads, tp_grain_size=spec.tp_grain_size,
                                  load=spec.load)
         self.limits = spec.wire_limits(self.tp.vocab_size)
         return {**self.tp.info(), "vocab_size": self.tp.vocab_size, "node": ray.util.get_node_ip_address()}
@@ -228,7 +229,7 @@ class VerifierGroup:
         rank = next((r for r in full.replicas if r.role == "verifier rank"), None)  # None when tp is 1
         return cls(GroupSpec(settings.target, tp_size=cfg.target.tensor_parallel, device=settings.device,
                              dtype=settings.dtype, max_slots=settings.max_slots, max_len=settings.max_len,
-                             acceptance=settings.acceptance, limits=wire_limits(cfg), num_cpus=v.num_cpus,
+                             kv=settings.kv_options(), acceptance=settings.acceptance, limits=wire_limits(cfg), num_cpus=v.num_cpus,
                              num_gpus=v.num_gpus, resources=dict(v.resources), accelerator_type=v.accelerator_type,
                              placement_strategy=v.placement_strategy, omp_threads=v.num_threads,
                              memory_plan=rank and {"bytes": rank.model_bytes, "weights": rank.weights,

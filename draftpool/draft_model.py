@@ -86,9 +86,7 @@ class DraftModelProposer:
         batch = ProposalBatch.empty(seq_ids, resync)
         if G == 0:
             return batch
-        # Rows in slot order, so that a run of consecutive slots is read by attention as a view.
-        active = sorted((b for b in range(len(items)) if gammas[b] > 0),
-                        key=lambda b: self.runner.seqs[seq_ids[b]].slot)
+        active = [b for b in range(len(items)) if gammas[b] > 0]
         params = [items[b].sampling for b in active]
         sampled = any(not s.greedy for s in params)
         branches = [items[b].branch for b in active]
@@ -109,7 +107,10 @@ class DraftModelProposer:
         t_loop = time.perf_counter()
         masks = DraftMasks(matchers, self.vocab_size, prefixes) if constrained else None
         positions = [len(s.tokens) + len(p) for s, p in zip(states, prefixes)]  # each row's first draft
-        out = self._draft_loop(first, [s.slot for s in states], positions, [gammas[b] for b in active], params, G, K,
+        # The loop writes the K/V of every draft it feeds: the first γ − 1 of each row.
+        self.runner.reserve([seq_ids[b] for b in active], positions,
+                            [p + gammas[b] - 1 for p, b in zip(positions, active)])
+        out = self._draft_loop(first, states, positions, [gammas[b] for b in active], params, G, K,
                                branches, masks)
         tokens, lengths, fed, *q = fetch(*out)  # the step's one read back
         fed_list = fed.tolist()
@@ -187,36 +188,38 @@ class DraftModelProposer:
             batch.lengths[b] = len(tokens)
 
     def _draft_loop(self, first: torch.Tensor,  # [A, V] the draft's logits after each row's committed tokens
-                    slots: list[int], positions: list[int], gammas: list[int], params, G: int, K: int,
+                    states: list, positions: list[int], gammas: list[int], params, G: int, K: int,
                     branches: list[int], masks: DraftMasks | None = None
                     ) -> list[torch.Tensor]:  # tokens [A, G], lengths [A], fed [A] (+ q_ids, q_probs [A, G, K])
         """Draft G positions for A rows on the device: fixed input buffers, one graph on CUDA (eager when
         ``masks`` constrains rows: their matchers advance on the host between positions)."""
         runner = self.runner
-        A = len(slots)
+        A = len(states)
         Ab = batch_bucket(A) if runner.pad_batch else A
         kv_len = runner.kv_len_bucket(max(positions) + G)
+        NB = runner.table_width(kv_len)
         truncate = any(not s.greedy and (0 < s.top_k < self.vocab_size or s.top_p < 1) for s in params)
         threshold = self.confidence_threshold
-        run = slots == list(range(slots[0], slots[0] + A)) and slots[0] + Ab <= runner.pool.num_slots
-        contiguous = slots[0] if run else None
-        key = ("draft", Ab, G, K, kv_len, truncate, threshold, contiguous)
-        bufs = runner.static_buffers(key, {"ints": ((Ab, 4 + 2 * G), torch.long),
+        key = ("draft", Ab, G, K, kv_len, truncate, threshold)
+        bufs = runner.static_buffers(key, {"ints": ((Ab, 3 + NB + 2 * G), torch.long),
                                            "floats": ((Ab, 2), torch.float32),
                                            "first": ((Ab, first.shape[-1]), first.dtype)})
         pad = Ab - A
-        # Per row: slot, position of its first draft, γ, top-k, then the (seed, position) key of each draft.
-        runner.upload(bufs["ints"], [[slot, pos, g, s.top_k,
+        tables = [runner.table(state, NB) for state in states] + [[runner.pool.scratch] * NB] * pad
+        contiguous = runner.table_run(tables)
+        # Per row: position of its first draft, γ, top-k, its block table, then the (seed, position) key of
+        # each draft.
+        runner.upload(bufs["ints"], [[pos, g, s.top_k, *table,
                                       *(w for i in range(G) for w in rng.stream_key(s.seed, pos + i, branch_stream(br)))]
-                                     for slot, pos, g, s, br in zip(slots, positions, gammas, params, branches)]
-                      + [[(slots[0] + A + i) if run else 0, *([0] * (3 + 2 * G))] for i in range(pad)])
+                                     for pos, g, s, br, table in zip(positions, gammas, params, branches, tables)]
+                      + [[0, 0, 0, *tables[A + i], *([0] * (2 * G))] for i in range(pad)])
         runner.upload(bufs["floats"], [[s.temperature, s.top_p] for s in params] + [[0.0, 1.0]] * pad)
         bufs["first"][:A].copy_(first)
         ints, floats = bufs["ints"], bufs["floats"]
 
         def loop():
-            rows, pos0, gamma, top_k = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3]
-            keys = ints[:, 4:].view(Ab, G, 2)
+            pos0, gamma, top_k, rows = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3: 3 + NB]
+            keys = ints[:, 3 + NB:].view(Ab, G, 2)
             temperature, top_p = floats[:, 0], floats[:, 1]
             logits = bufs["first"]
             alive = gamma > 0

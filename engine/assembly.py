@@ -47,6 +47,13 @@ class EngineSettings:
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # structured outputs: where the grammar forces a run of tokens, propose it without the draft (q = 1)
     forced_tokens: bool = D.FORCED_TOKENS
+    kv_block_size: int = D.KV_BLOCK_SIZE
+    kv_blocks: int | None = None  # per pool; None: every slot at max_len
+    prefix_cache: bool = D.PREFIX_CACHE
+
+    def kv_options(self) -> dict:
+        """What each ``ModelRunner`` of these settings takes for its KV pool."""
+        return {"block_size": self.kv_block_size, "num_blocks": self.kv_blocks, "prefix_cache": self.prefix_cache}
 
 
 def make_proposer(settings: EngineSettings, draft_model=None):
@@ -60,14 +67,15 @@ def make_proposer(settings: EngineSettings, draft_model=None):
         return NgramProposer(n_min=settings.ngram_min, n_max=settings.ngram_max)
     model = draft_model if draft_model is not None else build_model(settings.draft, settings.device, settings.dtype)
     return DraftModelProposer(model, max_slots=settings.max_slots, max_len=settings.max_len,
-                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold)
+                              q_top_k=settings.q_top_k, confidence_threshold=settings.confidence_threshold,
+                              **settings.kv_options())
 
 
 def make_verify_stage(settings: EngineSettings, target_model=None) -> VerifyStage:
     model = target_model if target_model is not None else build_model(settings.target, settings.device,
                                                                        settings.dtype)
-    return VerifyStage(ModelRunner(model, max_slots=settings.max_slots, max_len=settings.max_len),
-                       settings.acceptance)
+    return VerifyStage(ModelRunner(model, max_slots=settings.max_slots, max_len=settings.max_len,
+                                   **settings.kv_options()), settings.acceptance)
 
 
 def make_policy(settings: EngineSettings) -> GammaPolicy:
@@ -97,4 +105,5 @@ def make_engine(settings: EngineSettings, *, stages: Stages | None = None, targe
     return Engine(stages, policy=policy, eos_token_ids=eos_token_ids, max_len=settings.max_len,
                   max_running=settings.max_slots, micro_batches=settings.micro_batches, detokenize=detokenize,
                   speculate=settings.draft is not None,
-                  draft_num=settings.draft_num, first_seq_id=first_seq_id, forced_tokens=settings.forced_tokens)
+                  draft_num=settings.draft_num, first_seq_id=first_seq_id, forced_tokens=settings.forced_tokens,
+                  kv_blocks=settings.kv_blocks, kv_block_size=settings.kv_block_size)

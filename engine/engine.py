@@ -30,6 +30,7 @@ with no continuation.
 
 from __future__ import annotations
 
+import logging
 import queue
 import secrets
 import time
@@ -43,6 +44,8 @@ from runtime.grammar import Grammar, Matcher, allow_all
 from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
                                VerifyItem, VerifyOutcome)
 from engine.stats import SpecStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Sequence:
     # sample depends on the draft length, so a timing-driven γ would break "same seed, same sample".
     seeded: bool = False
     matcher: Matcher | None = None  # the grammar's state at the committed tokens (constrained requests)
+    arrival: int = 0  # order of ``Engine.add`` calls: the youngest running sequence is preempted first
 
     @property
     def generated(self) -> list[int]:
@@ -159,7 +163,8 @@ class Engine:
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
                  max_failures: int = 3, draft_num: int = 1,
-                 first_seq_id: int = 0, forced_tokens: bool = True):
+                 first_seq_id: int = 0, forced_tokens: bool = True, kv_blocks: int | None = None,
+                 kv_block_size: int = 16):
         self.stages = stages
         self.policy = policy or GammaPolicy()
         self.eos = frozenset(eos_token_ids)
@@ -184,6 +189,13 @@ class Engine:
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
         self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
         self._mask_seconds = 0.0  # the last step's filling of the verifier's grammar masks
+        # KV blocks per stage pool (None: enough for max_running sequences at max_len, nothing to count).
+        # Every pool holds at most the running sequences, so keeping their blocks within one pool's keeps
+        # every pool within its own; a step may write γ_max + 1 (or a tree's nodes + 1) positions past them.
+        self.kv_blocks, self.kv_block_size = kv_blocks, kv_block_size
+        self._kv_headroom = 1 + max(self.policy.gamma_max, self.policy.tree_nodes, draft_num * self.policy.gamma_max)
+        self.preemptions = 0  # sequences dropped from the running batch to free KV blocks, re-prefilled later
+        self._arrivals = 0
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -196,6 +208,10 @@ class Engine:
                              f"{self.max_len} tokens")
         if request.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer")
+        longest = min(self.max_len, len(request.prompt) + request.max_tokens)
+        if self.kv_blocks is not None and self._blocks_for(longest) > self.kv_blocks:
+            raise ValueError(f"prompt + max_tokens ({longest} tokens) need more KV blocks than a pool holds "
+                             f"({self.kv_blocks} × {self.kv_block_size} positions, kv.num_blocks); lower max_tokens")
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         if request.sampling.seed is None and not request.sampling.greedy:
             # The stages key every random draw on the seed (``rng``); without one, all unseeded requests
@@ -206,8 +222,9 @@ class Engine:
             self._next_id += 1
         # The matcher is made here, on the caller's thread, not on the step thread.
         matcher = request.grammar.matcher() if request.grammar is not None else None
+        self._arrivals += 1
         self._inbox.put(("add", Sequence(seq_id, request, list(request.prompt), len(request.prompt), seeded=seeded,
-                                         matcher=matcher)))
+                                         matcher=matcher, arrival=self._arrivals)))
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
@@ -223,6 +240,7 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """One verify step of the next micro-batch (and the drafting of the one after it)."""
         events = self._drain_inbox()
+        self._preempt()
         self._admit()
         groups = self._groups()
         if not groups:
@@ -445,8 +463,35 @@ class Engine:
         self._finish(cancelled)
         return events
 
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-(tokens + self._kv_headroom) // self.kv_block_size)
+
+    def _kv_in_use(self) -> int:
+        return sum(self._blocks_for(len(s.tokens)) for s in self.running.values())
+
+    def _preempt(self) -> None:
+        """While the running sequences need more KV blocks than a pool has, the youngest goes back to the head
+        of the queue, its caches released everywhere; it re-joins with its tokens when blocks free up (the
+        re-prefill recomputes them, the output is unchanged)."""
+        if self.kv_blocks is None:
+            return
+        while len(self.running) > 1 and self._kv_in_use() > self.kv_blocks:
+            seq = self.running.pop(max(self.running.values(), key=lambda s: s.arrival).seq_id)
+            self.stages.release([seq.seq_id], seq.micro_batch)
+            seq.proposer_base = seq.verifier_base = 0
+            self.waiting.insert(0, seq)
+            self.preemptions += 1
+            log.info("sequence %d preempted at %d tokens: %d running sequences need more than %d KV blocks",
+                     seq.seq_id, len(seq.tokens), len(self.running) + 1, self.kv_blocks)
+
     def _admit(self) -> None:
+        in_use = self._kv_in_use() if self.kv_blocks is not None else 0
         while self.waiting and len(self.running) < self.max_running:
+            if self.kv_blocks is not None:
+                need = self._blocks_for(len(self.waiting[0].tokens))
+                if self.running and in_use + need > self.kv_blocks:
+                    break
+                in_use += need
             seq = self.waiting.pop(0)
             sizes = {k: 0 for k in range(self.micro_batches)}
             for s in self.running.values():

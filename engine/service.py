@@ -156,7 +156,7 @@ class EngineService:
             self.profile.add(drained, wall, self.engine.last_step_wait)
             if self.metrics is not None:
                 self.metrics.after_step(self.engine.stats, drained, wall, self.engine.last_step_wait,
-                                        len(self.engine.running), len(self.engine.waiting))
+                                        len(self.engine.running), len(self.engine.waiting), self.engine.preemptions)
 
     def _deliver(self, events: list[StepEvent]) -> None:
         now = time.monotonic()

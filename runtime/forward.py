@@ -9,8 +9,9 @@ between the transformers releases we run, and its Python per call is a large sha
 scaling, and DeepSpeed AutoTP's sharded Linear layers (which change the local head count) all keep
 working, while positions, masks and the KV pool are ours.
 
-Row b feeds ``input_ids[b, :lengths[b]]`` at positions ``start[b] …``; padded tokens write their K/V to
-a scratch column (index ``pool.max_len``) that no read ever covers. With ``tree`` (``runtime.token_tree``)
+Row b feeds ``input_ids[b, :lengths[b]]`` at positions ``start[b] …`` of the sequence whose block table is
+``tables[b]`` (``runtime.kv_cache``); padded tokens write their K/V to the pool's scratch block, which no
+read ever covers unmasked. With ``tree`` (``runtime.token_tree``)
 the tokens still write to those columns, but RoPE and the mask take each token's position (a tree node's:
 prefix length + depth) and visibility (its ancestors, not its siblings) from the caller.
 
@@ -100,13 +101,13 @@ def forward(
     model,
     pool: KVPool,
     windows: list[int | None],
-    rows: torch.Tensor,  # [B] int64 KV slots
+    tables: torch.Tensor,  # [B, NB] int64 block ids, NB × block_size ≥ kv_len
     start: torch.Tensor,  # [B] int64 position of input_ids[:, 0]
     input_ids: torch.Tensor,  # [B, T] int64, padded
     lengths: torch.Tensor,  # [B] int64 real tokens per row (≥ 1 for rows that need logits)
     logit_index: torch.Tensor,  # [B, N] int64 column indices into T whose logits are returned
-    kv_len: int,  # ≥ max(start + lengths), ≤ pool.max_len; keys read per row
-    contiguous_from: int | None,  # rows == arange(contiguous_from, contiguous_from + B) if not None
+    kv_len: int,  # ≥ max(start + lengths); keys read per row
+    contiguous_from: int | None,  # tables == arange(contiguous_from, … + B × NB).view(B, NB) if not None
     tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # positions [B, T], visible [B, T, T]: runtime.token_tree
 ) -> torch.Tensor:  # [B, N, V] logits
     inner = model.model
@@ -115,10 +116,12 @@ def forward(
     steps = torch.arange(T, device=device).unsqueeze(0)  # [1, T]
     positions = start.unsqueeze(1) + steps  # [B, T]
     real = steps < lengths.unsqueeze(1)  # [B, T]
-    write_pos = torch.where(real, positions, torch.full_like(positions, pool.max_len))
+    bs = pool.block_size
+    blocks = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1))  # [B, T]
+    write_at = torch.where(real, blocks * bs + positions % bs, torch.full_like(positions, pool.scratch * bs))
     if tree is None:
         masks = _causal_masks(positions, kv_len, windows)
-    else:  # token-tree nodes: K/V still go to the columns start + t, but RoPE and the mask use prefix + depth
+    else:  # token-tree nodes: K/V still go to the positions start + t, but RoPE and the mask use prefix + depth
         positions = tree[0]
         masks = tree_masks(start, positions, tree[1], kv_len, windows)
 
@@ -140,8 +143,8 @@ def forward(
             q = _rope(attn.q_proj(x).view(B, T, -1, head_dim), cos, sin)
             k = _rope(attn.k_proj(x).view(B, T, -1, head_dim), cos, sin)
             v = attn.v_proj(x).view(B, T, -1, head_dim)
-        pool.write(i, rows, write_pos, k, v)
-        keys, values = pool.read(i, rows, kv_len, contiguous_from)  # [B, kv_len, Hkv, D]
+        pool.write(i, write_at, k, v)
+        keys, values = pool.read(i, tables, kv_len, contiguous_from)  # [B, kv_len, Hkv, D]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=masks[windows[i]], scale=attn.scaling, enable_gqa=True)

@@ -15,11 +15,12 @@ from typing import Sequence
 
 import torch
 
+from cluster import defaults as D
 from runtime import forward as fwd
 from runtime import token_tree
 from runtime.cuda_graphs import DEFAULT_MAX_GRAPHS, StepGraphs
 from runtime.fusion import fuse_projections
-from runtime.kv_cache import KVPool
+from runtime.kv_cache import ROOT_UID, KVPool, KVPoolFull, block_run
 from runtime.protocol import SyncItem
 
 
@@ -29,11 +30,12 @@ class SequenceTooLong(ValueError):
 
 @dataclass
 class SequenceState:
-    slot: int
+    blocks: list[int] = field(default_factory=list)  # block table: position p lives in blocks[p // block_size]
     tokens: list[int] = field(default_factory=list)  # committed tokens this stage holds
-    cached: list[int] = field(default_factory=list)  # tokens whose K/V sit in the slot, in order
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V sit in the blocks, in order
     valid: int = 0  # leading positions where cached == tokens
     last_used: int = 0  # forward tick of the last use, for LRU eviction
+    uids: list[int] = field(default_factory=list)  # prefix-cache uids of the leading blocks offered to it
 
 
 @dataclass
@@ -74,7 +76,13 @@ def batch_bucket(n: int) -> int:
 
 
 class ModelRunner:
-    """``static`` (default on): forwards whose rows feed ≤ ``STATIC_MAX_TOKENS`` tokens run through fixed
+    """KV lives in a paged pool (``runtime.kv_cache``) of ``num_blocks`` blocks of ``block_size`` positions
+    (default: enough for ``max_slots`` sequences of ``max_len``); ``max_slots`` bounds the sequences held.
+    With ``prefix_cache`` (default on) a new sequence starts from the longest run of cached blocks of its
+    prompt (at most its length − 1 tokens: the last one must be fed for its logits), and every full block of
+    committed tokens is offered to the cache; only committed tokens are ever cached, never drafts.
+
+    ``static`` (default on): forwards whose rows feed ≤ ``STATIC_MAX_TOKENS`` tokens run through fixed
     input buffers keyed by (batch bucket, tokens per row, logits per row, KV-length bucket), captured as CUDA
     graphs on a GPU (``graphs``, default: on CUDA) and run eagerly on the CPU. ``pad_batch`` (default: where
     graphs run) pads the batch to a power of two so that few shapes exist; padded rows write to the scratch
@@ -83,7 +91,8 @@ class ModelRunner:
 
     def __init__(self, model, *, max_slots: int, max_len: int, kv_bucket: int = 16, static: bool = True,
                  graphs: bool | None = None, pad_batch: bool | None = None, fuse: bool | None = None,
-                 max_graphs: int = DEFAULT_MAX_GRAPHS):
+                 max_graphs: int = DEFAULT_MAX_GRAPHS, block_size: int = D.KV_BLOCK_SIZE,
+                 num_blocks: int | None = None, prefix_cache: bool = D.PREFIX_CACHE):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -97,11 +106,12 @@ class ModelRunner:
         self.graphs = StepGraphs(self.device, enabled=graphs, max_graphs=max_graphs)
         self.pad_batch = self.graphs.enabled if pad_batch is None else pad_batch
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
-        # +1 column: the scratch position that padded tokens write to (see forward.py).
-        self.pool = KVPool(num_layers=len(model.model.layers), num_slots=max_slots, max_len=max_len + 1,
+        self.max_slots = max_slots
+        self.block_size = block_size
+        self.pool = KVPool(num_layers=len(model.model.layers), block_size=block_size,
+                           num_blocks=num_blocks or D.kv_blocks(max_slots, max_len, block_size),
                            kv_heads=fwd.local_kv_heads(model), head_dim=fwd.head_dim_of(model),
-                           dtype=self.dtype, device=self.device)
-        self.pool.max_len = max_len  # reads never reach the scratch column
+                           dtype=self.dtype, device=self.device, prefix_cache=prefix_cache)
         self.seqs: dict[int, SequenceState] = {}
         # The latest tree_forward's rows: seq_id → (tick, committed length, parents, tokens), for commit_paths.
         self._trees: dict[int, tuple[int, int, list[int], list[int]]] = {}
@@ -114,10 +124,13 @@ class ModelRunner:
     def sync(self, item: SyncItem) -> bool:
         """Apply ``item``; False when this runner does not hold ``item.base`` tokens (needs a resync)."""
         state = self.seqs.get(item.seq_id)
-        if state is None:
+        new = state is None
+        if new:
             if item.base != 0:
                 return False
-            state = self.seqs[item.seq_id] = SequenceState(slot=self._allocate())
+            if len(self.seqs) >= self.max_slots and not self._evict_idle():
+                raise KVPoolFull(f"all {self.max_slots} sequence slots are in use")
+            state = self.seqs[item.seq_id] = SequenceState()
         elif len(state.tokens) < item.base:
             return False
         if item.base + len(item.tokens) > self.max_len:
@@ -126,32 +139,108 @@ class ModelRunner:
         del state.tokens[item.base:]
         state.tokens.extend(item.tokens)
         state.valid = min(state.valid, item.base)
+        del state.uids[state.valid // self.block_size:]
+        if new:
+            self._take_prefix(state)
         # Extend agreement over what was cached speculatively (accepted drafts) — only the new tail is scanned.
         limit = min(len(state.tokens), len(state.cached))
         while state.valid < limit and state.cached[state.valid] == state.tokens[state.valid]:
             state.valid += 1
+        self._publish(state)
         return True
 
-    def _allocate(self) -> int:
-        """A free slot; when none is left, evict the least recently used sequence not in the coming forward.
+    def _evict_idle(self) -> bool:
+        """Release the least recently used sequence not in the coming forward; False when there is none.
 
         Only orphans should ever be evicted — sequences whose release was lost, or that moved to another
         replica after a failure; a live sequence that is evicted anyway is merely re-prefilled (resync).
         """
-        if self.pool.slots_in_use == self.pool.num_slots:
-            idle = [s for s in self.seqs.items() if s[1].last_used <= self.tick]
-            if idle:
-                victim = min(idle, key=lambda kv: kv[1].last_used)[0]
-                self.release([victim])
-                self.evictions += 1
-        return self.pool.allocate()
+        idle = [s for s in self.seqs.items() if s[1].last_used <= self.tick]
+        if not idle:
+            return False
+        self.release([min(idle, key=lambda kv: kv[1].last_used)[0]])
+        self.evictions += 1
+        return True
+
+    def _allocate_block(self) -> int:
+        while True:
+            try:
+                return self.pool.allocate()
+            except KVPoolFull:
+                if not self._evict_idle():
+                    raise
+
+    def _take_prefix(self, state: SequenceState) -> None:
+        """Start a new sequence from the cached blocks of its prompt's longest cached prefix."""
+        found = self.pool.lookup(state.tokens, (len(state.tokens) - 1) // self.block_size)
+        state.blocks = [block for block, _ in found]
+        state.uids = [uid for _, uid in found]
+        state.valid = len(found) * self.block_size
+        state.cached = state.tokens[: state.valid]
+
+    def _publish(self, state: SequenceState) -> None:
+        """Offer every full block of committed, cached tokens not offered yet to the prefix cache."""
+        if not self.pool.prefix_cache:
+            return
+        bs = self.block_size
+        while len(state.uids) < min(state.valid // bs, len(state.blocks)):
+            i = len(state.uids)
+            parent = state.uids[-1] if state.uids else ROOT_UID
+            state.uids.append(self.pool.publish(state.blocks[i], parent, state.tokens[i * bs:(i + 1) * bs]))
+
+    def _prepare_write(self, state: SequenceState, begin: int, end: int, shrink: bool = True) -> None:
+        """Blocks for positions [begin, end) that this sequence alone holds and no cache lists (a shared block
+        is copied first, a cached one taken out of the cache), and, with ``shrink``, none past ``end``."""
+        bs, blocks = self.block_size, state.blocks
+        del state.uids[begin // bs:]
+        for i in range(begin // bs, min(len(blocks), -(-end // bs))):
+            if self.pool.shared(blocks[i]):
+                copy = self._allocate_block()
+                self.pool.copy_block(blocks[i], copy)
+                self.pool.release(blocks[i])
+                blocks[i] = copy
+            else:
+                self.pool.unpublish(blocks[i])
+        while len(blocks) * bs < end:
+            blocks.append(self._allocate_block())
+        while shrink and (len(blocks) - 1) * bs >= end:
+            self.pool.release(blocks.pop())
+
+    def reserve(self, seq_ids: Sequence[int], begins: Sequence[int], ends: Sequence[int]) -> None:
+        """Make positions [begins[b], ends[b]) of each sequence writable (for forwards run outside ``forward``:
+        the draft's device loop)."""
+        states = [self.seqs[s] for s in seq_ids]
+        self._mark(states)
+        for state, begin, end in zip(states, begins, ends):
+            self._prepare_write(state, begin, end, shrink=False)
+
+    def _mark(self, states: list[SequenceState]) -> None:
+        for state in states:
+            state.last_used = self.tick + 1  # in the coming forward: not evictable by its own allocations
+
+    def table(self, state: SequenceState, width: int) -> list[int]:
+        """``state``'s block table padded to ``width`` entries: continuing its run of blocks where those exist
+        (the padding is never read unmasked, and a run lets attention read the pool as a view), else scratch."""
+        blocks = state.blocks
+        last = blocks[-1] if blocks else -1
+        return blocks[:width] + [last + 1 + i if last + 1 + i < self.pool.num_blocks else self.pool.scratch
+                                 for i in range(width - len(blocks))]
+
+    def table_run(self, tables: list[list[int]]) -> int | None:
+        """``kv_cache.block_run`` of the tables where eager steps run (a captured graph must not depend on it)."""
+        return None if self.graphs.enabled else block_run(tables)
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.seqs)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self._trees.pop(seq_id, None)
             state = self.seqs.pop(seq_id, None)
             if state is not None:
-                self.pool.free(state.slot)
+                for block in state.blocks:
+                    self.pool.release(block)
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self.seqs
@@ -164,8 +253,8 @@ class ModelRunner:
 
         From the static path the logits are a view of a fixed output buffer: valid until the next forward."""
         t0 = time.perf_counter()
-        B = len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
+        self._mark(states)
         feeds, starts = [], []
         for state, more, n in zip(states, extra, num_logits):
             full_len = len(state.tokens) + len(more)
@@ -183,6 +272,9 @@ class ModelRunner:
                 feed = list(more[begin - len(state.tokens):])
             feeds.append(feed)
             starts.append(begin)
+        for state, begin, feed in zip(states, starts, feeds):  # may raise KVPoolFull: nothing recorded yet
+            self._prepare_write(state, begin, begin + len(feed))
+        for state, begin, feed in zip(states, starts, feeds):
             del state.cached[begin:]
             state.cached.extend(feed)
             state.valid = len(state.tokens)
@@ -201,6 +293,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._trees = {}  # whatever an earlier tree left is about to be overwritten
         states = [self.seqs[s] for s in seq_ids]
+        self._mark(states)
         feeds, starts, trees, pending = [], [], [], {}
         for seq_id, state, par, toks in zip(seq_ids, states, parents, tokens):
             committed = len(state.tokens)
@@ -215,6 +308,10 @@ class ModelRunner:
             starts.append(begin)
             trees.append((committed - begin, list(par)))
             pending[seq_id] = (committed, list(par), list(toks))
+        for state, begin, feed in zip(states, starts, feeds):  # may raise KVPoolFull: nothing recorded yet
+            self._prepare_write(state, begin, begin + len(feed))
+        for state, begin in zip(states, starts):
+            committed = len(state.tokens)
             del state.cached[begin:]
             state.cached.extend(state.tokens[begin:])
             state.valid = committed
@@ -227,7 +324,7 @@ class ModelRunner:
         from a child of the root down; [] when none was accepted) as cached after its committed tokens, moving
         the path's K/V from its nodes' columns to the columns a chain would have used, in one copy for the
         batch. The rest of the tree is left past ``cached``: rolling it back is bookkeeping."""
-        slots, src, dst = [], [], []
+        bs, src, dst = self.block_size, [], []
         for seq_id, path in zip(seq_ids, paths):
             tick, committed, parents, tokens = self._trees.get(seq_id, (None, 0, [], []))
             if tick != self.tick:
@@ -235,17 +332,18 @@ class ModelRunner:
             if not token_tree.is_path(parents, path):
                 raise ValueError(f"sequence {seq_id}: {list(path)} is not a path down from the root")
             state = self.seqs[seq_id]
+            blocks = state.blocks
             for depth, node in enumerate(path):
-                if node != depth:  # a node at its own depth's column is already in place
-                    slots.append(state.slot)
-                    src.append(committed + node)
-                    dst.append(committed + depth)
+                if node != depth:  # a node at its own depth's position is already in place
+                    a, b = committed + node, committed + depth
+                    src.append(blocks[a // bs] * bs + a % bs)
+                    dst.append(blocks[b // bs] * bs + b % bs)
             del state.cached[committed:]
             state.cached.extend(tokens[node] for node in path)
             del self._trees[seq_id]
-        if slots:
-            index = torch.tensor([slots, src, dst], dtype=torch.long).to(self.device)
-            self.pool.move(index[0], index[1], index[2])
+        if src:
+            index = torch.tensor([src, dst], dtype=torch.long).to(self.device)
+            self.pool.move(index[0], index[1])
 
     def _run(self, t0: float, states: list[SequenceState], starts: list[int], feeds: list[list[int]],
              num_logits: Sequence[int], trees: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
@@ -263,6 +361,8 @@ class ModelRunner:
                 if logits is None:  # copied out at once: a static forward's logits are a view of its buffer
                     logits = part.new_zeros((len(feeds), max(num_logits), part.shape[-1]))
                 logits[torch.tensor(rows, device=part.device), : part.shape[1]] = part
+        for state in states:
+            self._publish(state)
         self.tick += 1
         self.stats.calls += len(groups)
         self.stats.tokens_fed += sum(len(f) for f in feeds)
@@ -275,7 +375,7 @@ class ModelRunner:
         N = max(num_logits)
         end = max(st + len(f) for st, f in zip(starts, feeds))
         if self.static and T <= STATIC_MAX_TOKENS:
-            return self._forward_static([s.slot for s in states], starts, feeds, num_logits, T, N, end, trees)
+            return self._forward_static(states, starts, feeds, num_logits, T, N, end, trees)
         return self._forward_dynamic(states, starts, feeds, num_logits, T, N, end, trees)
 
     def record(self, *, calls: int, tokens_fed: int, seconds: float) -> None:
@@ -289,6 +389,9 @@ class ModelRunner:
         """Keys read by a static step reaching position ``end``: a power of two ≥ ``kv_bucket``, so that a
         sequence passes through few shapes (the mask hides the keys beyond each row's own length)."""
         return min(self.max_len, max(self.kv_bucket, batch_bucket(end)))
+
+    def table_width(self, kv_len: int) -> int:
+        return -(-kv_len // self.block_size)
 
     def static_buffers(self, key: tuple, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
                        ) -> dict[str, torch.Tensor]:
@@ -305,32 +408,29 @@ class ModelRunner:
         host = torch.tensor(rows, dtype=dst.dtype)
         dst.copy_(host.pin_memory() if dst.device.type == "cuda" else host, non_blocking=True)
 
-    def _forward_static(self, slots: list[int], starts: list[int], feeds: list[list[int]], num_logits,
+    def _forward_static(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]], num_logits,
                         T: int, N: int, end: int, trees: list[tuple[int, list[int]]] | None = None
                         ) -> torch.Tensor:  # [B, N, V]
-        B = len(slots)
+        B = len(states)
         Bb = batch_bucket(B) if self.pad_batch else B
         kv_len = self.kv_len_bucket(end)
-        # Rows in slot order: when the slots are a run s0 … s0+B−1, attention reads the pool as a view (no
-        # gather of every layer's keys, which at batch 64 would copy ~1.7 GB per step for a 6.5B target).
-        # Padded rows then take the slots after the run (their writes go to the scratch column, their
-        # reads are discarded); the run's start is part of the shape key.
-        order = sorted(range(B), key=lambda b: slots[b])
-        ordered = [slots[b] for b in order]
-        run = ordered == list(range(ordered[0], ordered[0] + B)) and ordered[0] + Bb <= self.pool.num_slots
-        contiguous = ordered[0] if run else None
-        key = ("step" if trees is None else "tree", Bb, T, N, kv_len, contiguous)
-        width = 4 + T + N if trees is None else 4 + T + N + T + T * T
+        NB = self.table_width(kv_len)
+        key = ("step" if trees is None else "tree", Bb, T, N, kv_len)
+        width = 3 + NB + T + N if trees is None else 3 + NB + T + N + T + T * T
         bufs = self.static_buffers(key, {"inputs": ((Bb, width), torch.long)})
-        # One host tensor per step, one copy. Per row: [slot, start, length, output row, ids (T), logit
-        # columns (N)]; padded rows feed nothing (length 0: their writes go to the scratch column).
+        # One host tensor per step, one copy. Per row: [start, length, output row, block table (NB), ids (T),
+        # logit columns (N)]; padded rows feed nothing (length 0: their writes go to the scratch block). Rows
+        # in the order of their first block, so that tables forming one run are read as a view.
+        order = sorted(range(B), key=lambda b: states[b].blocks[0])
+        tables = [self.table(states[b], NB) for b in order] + [[self.pool.scratch] * NB] * (Bb - B)
+        contiguous = self.table_run(tables)
         position = [0] * Bb
         for i, b in enumerate(order):
             position[b] = i
-        rows = [[slots[b], starts[b], len(feeds[b]), position[i], *feeds[b], *([0] * (T - len(feeds[b]))),
+        rows = [[starts[b], len(feeds[b]), position[i], *tables[i], *feeds[b], *([0] * (T - len(feeds[b]))),
                  *range(len(feeds[b]) - num_logits[b], len(feeds[b])), *([0] * (N - num_logits[b]))]
                 for i, b in enumerate(order)]
-        rows += [[(ordered[0] + i) if run else 0, 0, 0, i, *([0] * (T + N))] for i in range(B, Bb)]
+        rows += [[0, 0, i, *tables[i], *([0] * (T + N))] for i in range(B, Bb)]
         if trees is not None:  # then per row: positions (T), which fed tokens each one sees (T × T)
             layouts = [token_tree.layout(starts[b], *trees[b], T) for b in order]
             layouts += [token_tree.layout(0, 0, [], T)] * (Bb - B)  # padded rows feed nothing
@@ -338,15 +438,16 @@ class ModelRunner:
                 row.extend(positions + [v for line in visible for v in line])
         self.upload(bufs["inputs"], rows)
         inputs = bufs["inputs"]
+        ids = 3 + NB
 
         def step():
             tree = None
             if trees is not None:
-                tree = inputs[:, 4 + T + N: 4 + 2 * T + N], inputs[:, 4 + 2 * T + N:].view(Bb, T, T) != 0
-            logits = fwd.forward(self.model, self.pool, self.windows, inputs[:, 0], inputs[:, 1],
-                                 inputs[:, 4: 4 + T], inputs[:, 2], inputs[:, 4 + T: 4 + T + N], kv_len, contiguous,
-                                 tree)
-            return logits.index_select(0, inputs[:, 3])  # back to the caller's row order
+                tree = inputs[:, ids + T + N: ids + 2 * T + N], inputs[:, ids + 2 * T + N:].view(Bb, T, T) != 0
+            logits = fwd.forward(self.model, self.pool, self.windows, inputs[:, 3:ids], inputs[:, 0],
+                                 inputs[:, ids: ids + T], inputs[:, 1], inputs[:, ids + T: ids + T + N], kv_len,
+                                 contiguous, tree)
+            return logits.index_select(0, inputs[:, 2])  # back to the caller's row order
 
         return self.graphs.run(key, step)[:B]
 
@@ -354,27 +455,27 @@ class ModelRunner:
                          T: int, N: int, end: int, trees: list[tuple[int, list[int]]] | None = None
                          ) -> torch.Tensor:  # [B, N, V]
         B = len(states)
-        # Rows in slot order, so that a contiguous run of slots is read as a view instead of gathered.
-        # Built from Python lists in one go: for batch-1 decoding this bookkeeping is a visible share of
-        # a small model's step.
-        order = sorted(range(B), key=lambda b: states[b].slot)
-        slots = [states[b].slot for b in order]
+        # Rows in the order of their first block, so that tables forming one run are read as a view. Built
+        # from Python lists in one go: for batch-1 decoding this bookkeeping is a visible share of a small
+        # model's step.
+        order = sorted(range(B), key=lambda b: states[b].blocks[0])
+        kv_len = min(self.max_len, -(-end // self.kv_bucket) * self.kv_bucket)
+        NB = self.table_width(kv_len)
+        tables = [self.table(states[b], NB) for b in order]
         ids = torch.tensor([feeds[b] + [0] * (T - len(feeds[b])) for b in order], dtype=torch.long)
         logit_index = torch.tensor([list(range(len(feeds[b]) - num_logits[b], len(feeds[b])))
                                     + [0] * (N - num_logits[b]) for b in order], dtype=torch.long)
         start = torch.tensor([starts[b] for b in order], dtype=torch.long)
         lengths = torch.tensor([len(feeds[b]) for b in order], dtype=torch.long)
-        kv_len = min(self.max_len, -(-end // self.kv_bucket) * self.kv_bucket)
-        contiguous = slots[0] if slots[-1] - slots[0] == B - 1 else None
         dev = self.device
         tree = None
         if trees is not None:
             layouts = [token_tree.layout(starts[b], *trees[b], T) for b in order]
             tree = (torch.tensor([p for p, _ in layouts], dtype=torch.long).to(dev),
                     torch.tensor([v for _, v in layouts], dtype=torch.bool).to(dev))
-        logits = fwd.forward(self.model, self.pool, self.windows, torch.tensor(slots, dtype=torch.long, device=dev),
-                             start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len, contiguous,
-                             tree)
+        logits = fwd.forward(self.model, self.pool, self.windows, torch.tensor(tables, dtype=torch.long, device=dev),
+                             start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len,
+                             block_run(tables), tree)
         if order != list(range(B)):
             inverse = [0] * B
             for i, b in enumerate(order):

@@ -342,7 +342,7 @@ class TPVerifierRank:
     """A verify stage on this rank's shard of the target; drive every rank with the same calls."""
 
     def __init__(self, spec, dist: DistConfig | None = None, *, device: str | None = "auto", dtype: str = "auto",
-                 max_slots: int = 64, max_len: int = 1024, kv_bucket: int = 16,
+                 max_slots: int = 64, max_len: int = 1024, kv_bucket: int = 16, kv: dict | None = None,
                  acceptance: AcceptanceConfig | None = None, threads: int | None = None,
                  tp_grain_size: int | None = None, load: str = "full"):
         t0 = time.perf_counter()
@@ -359,7 +359,7 @@ class TPVerifierRank:
             self.backend = init_distributed(dist, self.device)
         self.model, self.load_mode = load_target(spec, tp_size=self.tp_size, device=self.device, dtype=self.dtype,
                                                  tp_grain_size=tp_grain_size, load=load)
-        self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, kv_bucket=kv_bucket)
+        self.runner = ModelRunner(self.model, max_slots=max_slots, max_len=max_len, kv_bucket=kv_bucket, **(kv or {}))
         self.stage = VerifyStage(self.runner, acceptance)
         self.load_seconds = time.perf_counter() - t0
         self._closed = False
@@ -392,7 +392,7 @@ class TPVerifierRank:
             "kv_pool_bytes": 2 * pool.k.numel() * pool.k.element_size(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss_anon_bytes": _rss_anon_bytes(),
-            "sequences": len(self.runner.seqs), "slots_in_use": pool.slots_in_use,
+            "sequences": len(self.runner.seqs), "slots_in_use": self.runner.slots_in_use,
         }
 
     def shutdown(self) -> None:

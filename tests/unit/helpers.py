@@ -49,10 +49,12 @@ def hf_greedy(model, prompt, max_new: int, eos: int | None = None) -> tuple[int,
 def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False, max_slots: int = NUM_PROMPTS,
                 max_len: int = MAX_LEN, acceptance: AcceptanceConfig | None = None, micro_batches: int = 1,
                 speculate: bool = True, draft_num: int = 1, forced_tokens: bool = True, tree_nodes: int = 0,
-                **engine_kw) -> Engine:
+                kv: dict | None = None, **engine_kw) -> Engine:
     """An in-process engine through ``engine.assembly.make_engine`` around models already built. ``draft``: a
     model, "same" (the target), "ngram", None (no proposer), or a ready proposer object; ``speculate=False``
-    keeps the proposer but decodes target-only."""
+    keeps the proposer but decodes target-only; ``kv``: ``EngineSettings``' kv_* / prefix_cache fields."""
+    kv_settings = {"kv_" + k if k in ("block_size", "blocks") else k: v for k, v in (kv or {}).items()}
+    runner_kv = EngineSettings(target=None, **kv_settings).kv_options()
     if isinstance(draft, str) and draft == "same":
         draft = target
     if isinstance(draft, str) and draft == "ngram":
@@ -60,11 +62,11 @@ def make_engine(target, draft="same", *, gamma: int = 4, adaptive: bool = False,
     elif draft is None or hasattr(draft, "propose"):
         proposer = draft
     else:
-        proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len)
+        proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len, **runner_kv)
     settings = EngineSettings(target=None, draft=proposer if speculate else None, max_len=max_len,
                               max_slots=max_slots, micro_batches=micro_batches, gamma=gamma,
                               gamma_max=max(gamma, 8), adaptive=adaptive, acceptance=acceptance or AcceptanceConfig(),
-                              draft_num=draft_num, forced_tokens=forced_tokens, tree_nodes=tree_nodes)
+                              draft_num=draft_num, forced_tokens=forced_tokens, tree_nodes=tree_nodes, **kv_settings)
     return assemble(settings, stages=LocalStages(make_verify_stage(settings, target), proposer), **engine_kw)
 
 

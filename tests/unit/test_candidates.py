@@ -115,8 +115,8 @@ def test_joins_cancels_and_sampled_rows_beside_greedy_ones(target, noisy_draft, 
     for seq_id, i in ids.items():
         assert engine.output(seq_id).tokens == refs[i]
     assert all(engine.output(seq_id).finish_reason == "cancelled" for seq_id in cancelled)
-    assert engine.stages.verifier.runner.pool.slots_in_use == 0
-    assert engine.stages.proposer.runner.pool.slots_in_use == 0
+    assert engine.stages.verifier.runner.slots_in_use == 0
+    assert engine.stages.proposer.runner.slots_in_use == 0
     for seq_id in sampled_ids:
         out = engine.output(seq_id)
         assert len(out.tokens) == MAX_NEW and all(0 <= t < target.config.vocab_size for t in out.tokens)

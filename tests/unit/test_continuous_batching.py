@@ -43,7 +43,7 @@ def test_join_and_cancel_mid_generation(draft, micro_batches, target, noisy_draf
     def step():
         engine.step()
         for r in runners:  # finished and cancelled sequences give their slots back at once
-            assert r.pool.slots_in_use <= len(engine.running)
+            assert r.slots_in_use <= len(engine.running)
 
     add(0, 1, 2, 3, 4)
     for _ in range(3):
@@ -71,7 +71,7 @@ def test_join_and_cancel_mid_generation(draft, micro_batches, target, noisy_draf
             assert out.finish_reason == "length"
     assert not engine.running and not engine.waiting and not engine.finished
     for r in runners:
-        assert r.pool.slots_in_use == 0
+        assert r.slots_in_use == 0
         assert r.seqs == {}
     if draft == "ngram":
         assert engine.stages.proposer.histories == {}
@@ -87,7 +87,7 @@ def test_cancel_is_idempotent_and_ignores_unknown_ids(target, prompts, refs):
     events = run_to_end(engine)
     assert [e.finish_reason for e in events] == ["cancelled"]
     assert engine.output(a).finish_reason == "cancelled"
-    assert target_runner(engine).pool.slots_in_use == 0
+    assert target_runner(engine).slots_in_use == 0
 
 
 def test_micro_batch_that_empties_and_refills(target, noisy_draft, prompts, refs):
@@ -127,7 +127,7 @@ def test_rows_finishing_together_are_released_in_one_call_per_micro_batch(target
     run_to_end(engine)
     assert sorted(i for _, seq_ids in calls for i in seq_ids) == sorted(more)
     assert len(calls) == 2, calls  # one per micro-batch, the repeated cancel ignored
-    assert target_runner(engine).pool.slots_in_use == 0
+    assert target_runner(engine).slots_in_use == 0
 
 
 @pytest.mark.parametrize("distinct", [True, False], ids=["own ids", "both from 0"])
@@ -168,7 +168,7 @@ def test_stage_losing_a_sequence_resyncs(draft, target, noisy_draft, prompts, re
     run_to_end(engine)
     for i, sid in enumerate(ids):
         assert engine.output(sid).tokens == refs[i], f"prompt {i}"
-    assert target_runner(engine).pool.slots_in_use == 0
+    assert target_runner(engine).slots_in_use == 0
 
 
 def test_kv_pool_is_allocated_once(target, noisy_draft, prompts, refs):
@@ -234,7 +234,7 @@ def test_runner_limits_and_resync(target):
     with pytest.raises(SequenceTooLong):
         runner.sync(SyncItem(0, 3, tuple(range(3, 17))))
     runner.release([0, 1, 99])
-    assert runner.pool.slots_in_use == 0 and not runner.holds(0)
+    assert runner.slots_in_use == 0 and not runner.holds(0)
 
 
 class WireStages(LocalStages):

@@ -127,7 +127,8 @@ def test_a_config_that_cannot_fit_is_refused_with_the_plan():
     assert "of host memory" in message and "available" in message
     assert "KV cache" in message and "workspace" in message and "host total" in message  # the table
     assert "lower router.max_running" in message and "target.max_model_len" in message  # what to lower
-    expected_kv = 2 * 2 * 4096 * ((1 << 20) + 1) * 2 * 16 * 4  # layers, slots, positions, kv heads, head dim
+    blocks = 4096 * (1 << 20) // 16 + 1  # every slot at max_model_len, + the scratch block
+    expected_kv = 2 * 2 * blocks * 16 * 2 * 16 * 4  # K and V, layers, blocks, positions, kv heads, head dim
     assert plan(ClusterConfig.from_dict(huge)).replicas[0].kv_cache == expected_kv
 
 

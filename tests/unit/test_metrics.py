@@ -8,7 +8,7 @@ from cluster import metrics
 
 
 def test_metric_specs_are_well_formed() -> None:
-    assert len(metrics.METRICS) == 34
+    assert len(metrics.METRICS) == 39
     for name, spec in metrics.METRICS.items():
         assert name == spec.name and re.fullmatch(r"specserve_[a-z_]+", name)
         assert not name.endswith("_total"), "Ray's exporter adds _total to counters"
@@ -31,6 +31,10 @@ def test_tag_keys() -> None:
         metrics.REQUESTS_CANCELLED: ("phase",),
         metrics.KV_SLOTS_IN_USE: ("model",),
         metrics.KV_SLOTS_CAPACITY: ("model",),
+        metrics.KV_BLOCKS_IN_USE: ("model",),
+        metrics.KV_BLOCKS_CAPACITY: ("model",),
+        metrics.PREFIX_CACHE_LOOKUP_TOKENS: ("model",),
+        metrics.PREFIX_CACHE_HIT_TOKENS: ("model",),
         metrics.STAGE_SECONDS: ("stage",),
         metrics.STEPS: ("mode", "batch"),
         metrics.STEP_SECONDS: ("mode", "batch"),

@@ -142,7 +142,7 @@ def test_closed_or_late_requests_are_cancelled(target):
     finally:
         service.stop()
     assert service.cancelled_total == 2 and not service.live
-    assert target_runner(engine).pool.slots_in_use == 0
+    assert target_runner(engine).slots_in_use == 0
 
 
 class _FailingProposer:
