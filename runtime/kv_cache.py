@@ -20,6 +20,7 @@ first (``copy_block``) when others share it.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Sequence
 
@@ -45,12 +46,15 @@ class KVPool:
         self.block_size = block_size
         self.scratch = num_blocks  # the block padded tokens write to
         self.prefix_cache = prefix_cache
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest block first
+        # A heap: the lowest free block first, so that a sequence alone in the pool grows over a run of blocks,
+        # which attention reads as a view.
+        self._free = list(range(num_blocks))
         self._refs = [0] * num_blocks
         self._index: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # key → (block, uid)
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block → its key
         self._idle: OrderedDict[int, None] = OrderedDict()  # published blocks no sequence holds, oldest first
         self._next_uid = ROOT_UID + 1
+        self._gathered = [self.k.new_empty(0), self.v.new_empty(0)]  # CPU read buffers of K and V (``_gather``)
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, found cached
 
@@ -74,7 +78,7 @@ class KVPool:
     def allocate(self) -> int:
         """A block for one holder: a never-published free one, else the least recently used idle cached one."""
         if self._free:
-            block = self._free.pop()
+            block = heapq.heappop(self._free)
         elif self._idle:
             block, _ = self._idle.popitem(last=False)
             del self._index[self._key_of.pop(block)]
@@ -94,7 +98,7 @@ class KVPool:
             if block in self._key_of:
                 self._idle[block] = None  # most recently used last
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def shared(self, block: int) -> bool:
         return self._refs[block] > 1
@@ -175,8 +179,24 @@ class KVPool:
             start, end = contiguous_from * self.block_size, (contiguous_from + B * NB) * self.block_size
             return (keys[start:end].view(B, NB * self.block_size, *keys.shape[1:])[:, :kv_len],
                     values[start:end].view(B, NB * self.block_size, *values.shape[1:])[:, :kv_len])
-        k, v = self.k[layer][tables], self.v[layer][tables]  # [B, NB, block_size, kv_heads, head_dim]
-        return k.flatten(1, 2)[:, :kv_len], v.flatten(1, 2)[:, :kv_len]
+        blocks = tables.reshape(-1)
+        k, v = self._gather(0, self.k[layer], blocks), self._gather(1, self.v[layer], blocks)
+        shape = (B, NB * self.block_size, *self.k.shape[3:])
+        return k.view(shape)[:, :kv_len], v.view(shape)[:, :kv_len]
+
+    def _gather(self, which: int, layer: torch.Tensor,  # [num_blocks + 1, block_size, kv_heads, head_dim]
+                blocks: torch.Tensor,  # [M] int64
+                ) -> torch.Tensor:  # [M, block_size × kv_heads × head_dim]
+        """``index_select`` (several times faster than indexing on the CPU) into a buffer kept per K/V on the CPU,
+        where a fresh tensor of a megabyte or more per layer costs page faults; on CUDA into a fresh tensor,
+        whose address a captured graph owns (a buffer that grew later would leave the graph a freed one)."""
+        src = layer.view(layer.shape[0], -1)
+        if src.is_cuda:
+            return torch.index_select(src, 0, blocks)
+        need = blocks.shape[0] * src.shape[1]
+        if self._gathered[which].numel() < need:
+            self._gathered[which] = src.new_empty(need)
+        return torch.index_select(src, 0, blocks, out=self._gathered[which][:need].view(-1, src.shape[1]))
 
 
 def block_run(tables: Sequence[Sequence[int]]) -> int | None:
