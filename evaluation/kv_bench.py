@@ -49,6 +49,8 @@ def _args(argv=None):
     p.add_argument("--chat-tokens", type=int, default=1500, help="a conversation grows past this many tokens")
     p.add_argument("--system-tokens", type=int, default=1200)
     p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--speed-prompts", type=int, default=16)
+    p.add_argument("--speed-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts", default="capacity,prefix,speed")
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
@@ -189,7 +191,7 @@ def _summary(ttft, tps, identical, total, engines, longest) -> dict:
 def speed(pair: Pair, args) -> dict:
     from engine.engine import Request
 
-    prompts = pair.prompts(3, 16, 96)
+    prompts = pair.prompts(3, args.speed_prompts, 96)
     rows = {}
     for batch in (1, 16):
         for speculate in (False, True):
@@ -197,14 +199,15 @@ def speed(pair: Pair, args) -> dict:
             # to a comparison of KV layouts.
             layouts = {"slots": pair.engine(speculate=speculate, slots=16, block_size=args.max_len, gamma=SPEED_GAMMA),
                        "blocks": pair.engine(speculate=speculate, slots=16, gamma=SPEED_GAMMA)}
-            chunks = range(0, 16, batch)
+            chunks = range(0, len(prompts), batch)
             best = {name: [float("inf")] * len(chunks) for name in layouts}  # fastest time of each chunk
             outputs, tokens = {}, 0
             for r in range(args.repeats):
                 for name in (("slots", "blocks") if r % 2 else ("blocks", "slots")):
                     outs = []
                     for c, i in enumerate(chunks):
-                        o, seconds, _ = _run(layouts[name], [Request(p, max_tokens=48) for p in prompts[i:i + batch]])
+                        o, seconds, _ = _run(layouts[name], [Request(p, max_tokens=args.speed_tokens)
+                                                             for p in prompts[i:i + batch]])
                         outs += o
                         best[name][c] = min(best[name][c], seconds)
                     outputs[name] = outs
