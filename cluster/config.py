@@ -644,6 +644,14 @@ class ClusterConfig(_Spec):
         return self
 
     @model_validator(mode="after")
+    def _check_kv(self) -> "ClusterConfig":
+        one = D.kv_blocks(1, self.target.max_model_len, self.kv.block_size)
+        if self.kv.num_blocks is not None and self.kv.num_blocks < one:
+            raise ValueError(f"kv.num_blocks: {self.kv.num_blocks} blocks of {self.kv.block_size} cannot hold one "
+                             f"sequence of target.max_model_len ({self.target.max_model_len} tokens); need ≥ {one}")
+        return self
+
+    @model_validator(mode="after")
     def _check_local_stages(self) -> "ClusterConfig":
         if self.router.stages == "local" and (self.target.tensor_parallel > 1 or self.verifier.num_groups > 1):
             raise ValueError(

@@ -78,6 +78,11 @@ def figures(prev: Samples, cur: Samples, seconds: float) -> dict:
         "by_position": {p: v for p, v in positions.items() if v is not None},
         "queued": sum(by(m.QUEUE_DEPTH, "").values()), "running": sum(by(m.RUNNING_SEQUENCES, "").values()),
         "kv_in_use": by(m.KV_SLOTS_IN_USE, "model"), "kv_capacity": by(m.KV_SLOTS_CAPACITY, "model"),
+        "blocks_in_use": by(m.KV_BLOCKS_IN_USE, "model"), "blocks_capacity": by(m.KV_BLOCKS_CAPACITY, "model"),
+        "prefix_hit_rate": {model: div(delta(m.PREFIX_CACHE_HIT_TOKENS, model=model),
+                                       delta(m.PREFIX_CACHE_LOOKUP_TOKENS, model=model))
+                            for model in by(m.PREFIX_CACHE_LOOKUP_TOKENS, "model")},
+        "preemptions_per_s": delta(m.PREEMPTIONS) / seconds,
         "fallbacks_per_s": {r: delta(m.FALLBACKS, reason=r) / seconds for r in m.FALLBACK_REASONS
                             if delta(m.FALLBACKS, reason=r)},
         "fidelity": {r: delta(m.FIDELITY_CHECKS, result=r) for r in m.FIDELITY_RESULTS},
@@ -104,6 +109,10 @@ def view(fig: dict, url: str):
             ("queued / running", f"{fig['queued']:.0f} / {fig['running']:.0f}"),
             ("KV slots", ", ".join(f"{k} {v:.0f}/{_fmt(fig['kv_capacity'].get(k), '.0f')}"
                                    for k, v in fig["kv_in_use"].items()) or "-"),
+            ("KV blocks", ", ".join(f"{k} {v:.0f}/{_fmt(fig['blocks_capacity'].get(k), '.0f')}"
+                                    for k, v in fig["blocks_in_use"].items()) or "-"),
+            ("prefix cache hits", ", ".join(f"{k} {_fmt(v, '.0%')}" for k, v in fig["prefix_hit_rate"].items()) or "-"),
+            ("preemptions/s", _fmt(fig["preemptions_per_s"], ".2f")),
             ("fallbacks/s", ", ".join(f"{r} {v:.2f}" for r, v in fig["fallbacks_per_s"].items()) or "0"),
             ("fidelity", f"{fig['fidelity']['match']:.0f} match, {fig['fidelity']['mismatch']:.0f} mismatch")):
         main.add_row(label, value)

@@ -337,3 +337,12 @@ def test_worker_stages_follow_the_transport(sections: dict[str, Any], expected: 
 def test_compiled_transport_with_local_stages_refused() -> None:
     with pytest.raises(ValueError, match=r"router\.transport"):
         ClusterConfig.from_dict({"target": {"path": BUILTIN_TINY}, "router": {"stages": "local", "transport": "compiled"}})
+
+
+def test_a_kv_pool_that_cannot_hold_one_full_sequence_is_refused() -> None:
+    base = {"target": {"path": BUILTIN_TINY, "max_model_len": 256}}
+    ClusterConfig.from_dict({**base, "kv": {"num_blocks": 16}})  # 16 × 16 positions: one full sequence
+    with pytest.raises(ValueError, match=r"kv\.num_blocks.*need ≥ 16"):
+        ClusterConfig.from_dict({**base, "kv": {"num_blocks": 15}})
+    with pytest.raises(ValueError, match=r"kv\.block_size"):
+        ClusterConfig.from_dict({**base, "kv": {"block_size": 0}})

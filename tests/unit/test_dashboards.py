@@ -216,3 +216,19 @@ def test_top_figures_from_two_scrapes() -> None:
     assert fig["by_position"] == {"0": pytest.approx(0.8)} and fig["queued"] == 3
     assert fig["requests_per_s"] == {"ok": pytest.approx(5.0)} and fig["gpu"] == {}
     top.view(fig, "http://x/metrics")  # renders without error
+
+
+def test_top_shows_kv_blocks_prefix_hits_and_preemptions() -> None:
+    def scrape(lookups, hits, preempted, blocks):
+        p = dashboards.EXPORT_PREFIX
+        return (f'{p}{m.PREFIX_CACHE_LOOKUP_TOKENS}_total{{model="target"}} {lookups}\n'
+                f'{p}{m.PREFIX_CACHE_HIT_TOKENS}_total{{model="target"}} {hits}\n'
+                f'{p}{m.PREEMPTIONS}_total {preempted}\n'
+                f'{p}{m.KV_BLOCKS_IN_USE}{{model="target"}} {blocks}\n'
+                f'{p}{m.KV_BLOCKS_CAPACITY}{{model="target"}} 1024\n')
+
+    fig = top.figures(top.parse(scrape(100, 50, 0, 10)), top.parse(scrape(300, 200, 4, 700)), 2.0)
+    assert fig["prefix_hit_rate"] == {"target": pytest.approx(0.75)}
+    assert fig["preemptions_per_s"] == pytest.approx(2.0)
+    assert fig["blocks_in_use"] == {"target": 700} and fig["blocks_capacity"] == {"target": 1024}
+    top.view(fig, "http://x/metrics")
