@@ -472,9 +472,11 @@ def normalise(req: CompletionRequest | ChatRequest) -> GenerateRequest:
     return GenerateRequest(max_tokens=req.max_tokens, **prompt, **common)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, stats: dict) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))}}
 
 
 # Defined last: ``serve.ingress`` pickles the class by value when it is decorated, capturing only the
@@ -683,7 +685,7 @@ class OpenAIIngress:
             choice["token_ids"] = list(resp.token_ids)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice],
-                "usage": _usage(resp.prompt_tokens, resp.completion_tokens), "speculation": resp.stats}
+                "usage": _usage(resp.prompt_tokens, resp.completion_tokens, resp.stats), "speculation": resp.stats}
 
     async def _stream(self, req: GenerateRequest, opts: dict, rid: str, chat: bool, slot: _Slot):
         gen = self.router.options(stream=True).generate_stream.remote(req)
@@ -742,7 +744,8 @@ class OpenAIIngress:
                 raise GenerationFailed("the stream ended without a final chunk")
             if opts["include_usage"]:
                 usage_key = {}
-                yield frame(None, usage=_usage(last.prompt_tokens, last.completion_tokens), speculation=last.stats)
+                yield frame(None, usage=_usage(last.prompt_tokens, last.completion_tokens, last.stats),
+                            speculation=last.stats)
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             raise

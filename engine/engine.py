@@ -355,6 +355,7 @@ class Engine:
                                mask_seconds=proposal.mask_seconds + self._mask_seconds)
         forced = pending.forced if isinstance(pending, WithForced) else {}
         nodes = dict(zip(proposal.seq_ids, proposal.lengths.tolist()))  # drafts verified: a tree's size
+        cached = dict(zip(outcome.seq_ids, outcome.cached))  # prompt tokens the verifier found in its prefix cache
         events, done = [], []
         for seq_id, emitted, accepted, proposed in zip(outcome.seq_ids, outcome.emitted, outcome.num_accepted,
                                                        outcome.num_proposed):
@@ -390,6 +391,7 @@ class Engine:
             for st in (seq.stats, step_stats):
                 st.record(proposed, accepted, len(new), nodes=drafted)
                 st.forced += forced_accepted
+                st.cached_tokens += cached.get(seq_id, 0)
             events.append(StepEvent(seq_id, tuple(new), seq.finish_reason))
             if seq.finish_reason is not None:
                 done.append(seq)

@@ -29,6 +29,7 @@ class SpecStats:
     # accepted) and seconds spent filling grammar masks
     forced: int = 0
     mask_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the verifier took from its prefix cache instead of computing them
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -49,7 +50,7 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("steps", "proposed", "accepted", "rejections", "emitted", "nodes", "draft_seconds",
-                     "verify_seconds", "forced", "mask_seconds"):
+                     "verify_seconds", "forced", "mask_seconds", "cached_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.position_proposed), len(other.position_proposed))
         for lst in (self.position_proposed, self.position_accepted):
@@ -103,4 +104,4 @@ class SpecStats:
                     [round(x, 4) for x in self.per_position()],
                 "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6),
                 "forced": self.forced, "forced_share": round(self.forced_share, 4),
-                "mask_seconds": round(self.mask_seconds, 6)}
+                "mask_seconds": round(self.mask_seconds, 6), "cached_tokens": self.cached_tokens}

@@ -190,6 +190,7 @@ class VerifyOutcome:
     num_proposed: list[int]  # draft positions verified per row: the drafts of a chain, a tree's depth
     resync: list[int] = field(default_factory=list)  # seq_ids the verifier could not sync
     verify_seconds: float = 0.0
+    cached: list[int] = field(default_factory=list)  # per row: tokens this step's sync took from the prefix cache
 
 
 class Proposer(Protocol):

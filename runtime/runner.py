@@ -36,6 +36,7 @@ class SequenceState:
     valid: int = 0  # leading positions where cached == tokens
     last_used: int = 0  # forward tick of the last use, for LRU eviction
     uids: list[int] = field(default_factory=list)  # prefix-cache uids of the leading blocks offered to it
+    hit: int = 0  # tokens its start took from the prefix cache, until ``take_hits`` reports them
 
 
 @dataclass
@@ -175,7 +176,7 @@ class ModelRunner:
         found = self.pool.lookup(state.tokens, (len(state.tokens) - 1) // self.block_size)
         state.blocks = [block for block, _ in found]
         state.uids = [uid for _, uid in found]
-        state.valid = len(found) * self.block_size
+        state.valid = state.hit = len(found) * self.block_size
         state.cached = state.tokens[: state.valid]
 
     def _publish(self, state: SequenceState) -> None:
@@ -229,6 +230,16 @@ class ModelRunner:
     def table_run(self, tables: list[list[int]]) -> int | None:
         """``kv_cache.block_run`` of the tables where eager steps run (a captured graph must not depend on it)."""
         return None if self.graphs.enabled else block_run(tables)
+
+    def take_hits(self, seq_ids: Sequence[int]) -> list[int]:
+        """Per sequence, the tokens it took from the prefix cache since the last call (0 for one not held)."""
+        hits = []
+        for seq_id in seq_ids:
+            state = self.seqs.get(seq_id)
+            hits.append(state.hit if state is not None else 0)
+            if state is not None:
+                state.hit = 0
+        return hits
 
     @property
     def slots_in_use(self) -> int:

@@ -47,8 +47,9 @@ from runtime.protocol import (
 )
 
 # 2: proposals carry ``parents`` (token trees), propose rows their ``branch``; 3: propose rows carry their
-# grammar's forced run, verify frames the constrained rows' grammar masks (structured outputs)
-SCHEMA_VERSION = 4
+# grammar's forced run, verify frames the constrained rows' grammar masks (structured outputs); 4: propose rows carry
+# their tree size (``nodes``); 5: outcomes carry each row's prefix-cache hits (``cached``)
+SCHEMA_VERSION = 5
 MAX_FRAME_BYTES = 64 << 20
 MAX_ROWS = 1 << 16  # the largest batch a frame may carry; also the msgpack array cap
 _MAX_MAP_LEN = 16
@@ -228,6 +229,8 @@ def encode_outcome(outcome: VerifyOutcome) -> bytes:
     n = len(outcome.seq_ids)
     if not len(outcome.emitted) == len(outcome.num_accepted) == len(outcome.num_proposed) == n:
         raise WireError(f"outcome: emitted/num_accepted/num_proposed must each have {n} rows")
+    if outcome.cached and len(outcome.cached) != n:
+        raise WireError(f"outcome: cached must have {n} rows (or none)")
     return _pack(
         {
             "v": SCHEMA_VERSION,
@@ -239,6 +242,7 @@ def encode_outcome(outcome: VerifyOutcome) -> bytes:
             "num_proposed": _ints(outcome.num_proposed, _I32, "num_proposed"),
             "resync": _ints(outcome.resync, _I64, "resync"),
             "verify_seconds": float(outcome.verify_seconds),
+            "cached": _ints(outcome.cached or [0] * n, _I32, "cached"),
         }
     )
 
@@ -565,7 +569,7 @@ def _decode_masks(value: Any, proposal: ProposalBatch, limits: WireLimits) -> li
 
 
 def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:
-    keys = ("seq_ids", "emit_lens", "emitted", "num_accepted", "num_proposed", "resync", "verify_seconds")
+    keys = ("seq_ids", "emit_lens", "emitted", "num_accepted", "num_proposed", "resync", "verify_seconds", "cached")
     frame = _unpack(data, "outcome", keys)
     seq_ids = _seq_ids(frame, "outcome", limits)
     n = len(seq_ids)
@@ -579,6 +583,8 @@ def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:
     _in_range(emit_lens, 0, limits.gamma_max + 2, "outcome.emit_lens")
     if any(e > a + 1 for e, a in zip(emit_lens, accepted)):
         raise WireError("outcome: a row emits more than its accepted tokens plus one")
+    cached = _values(frame, "cached", _I32, "outcome", n)
+    _in_range(cached, 0, limits.max_seq_len, "outcome.cached")
     emitted = _token_ids(frame, "emitted", "outcome", limits, sum(emit_lens)).tolist()
     resync = _resync(frame, "outcome", seq_ids)
     if not _resync_rows_empty(seq_ids, resync, emit_lens):
@@ -594,6 +600,7 @@ def decode_outcome(data: bytes, limits: WireLimits) -> VerifyOutcome:
         num_proposed=list(proposed),
         resync=list(resync),
         verify_seconds=_seconds(frame["verify_seconds"], "outcome.verify_seconds"),
+        cached=list(cached),
     )
 
 

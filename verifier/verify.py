@@ -115,6 +115,7 @@ class VerifyStage:
         if self.acceptance.mode == "threshold" and self.acceptance.dynamic_adjust and sum(proposed):
             rate = sum(accepted) / sum(proposed)
             self.threshold = adjust_threshold(self.threshold, rate, self.acceptance.target_rate)
+        outcome.cached = self.runner.take_hits(outcome.seq_ids)
         outcome.verify_seconds = time.perf_counter() - t0
         return outcome
 

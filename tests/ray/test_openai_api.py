@@ -14,6 +14,7 @@ import time
 
 import httpx
 import openai
+import torch
 import pytest
 
 from tests.fixtures_tokenizer import chat_prompt_ids, prompts, reference, tokenizer
@@ -62,6 +63,17 @@ def test_completion_from_token_ids(client):
     r = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0,
                                   extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == list(ids) and r.choices[0].text == text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client):
+    """The verifier's prefix cache keeps a finished request's full blocks: the same prompt again finds them
+    (all but the last token's block), reports them in OpenAI's usage, and decodes the same tokens."""
+    prompt_ids = [int(t) for t in torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(9))]
+    first, again = (client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0,
+                                              extra_body={"return_token_ids": True}) for _ in range(2))
+    assert first.choices[0].model_extra["token_ids"] == again.choices[0].model_extra["token_ids"]
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == 32 and again.model_extra["speculation"]["cached_tokens"] == cached  # two blocks of 16
 
 
 def test_chat_greedy_match_reference(client):

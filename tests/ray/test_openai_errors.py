@@ -441,5 +441,6 @@ def test_stream_failing_midway_ends_with_error_event_and_no_done():
     assert out[-1] == "data: [DONE]\n\n"
     usage = json.loads(out[-2][len("data: "):])
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
-                                                         "total_tokens": 5}
+                                                         "total_tokens": 5,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
     assert not ok.cancelled  # a finished stream is not cancelled

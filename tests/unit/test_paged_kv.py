@@ -116,9 +116,11 @@ def test_greedy_outputs_are_hf_with_paging_and_the_prefix_cache(case, target, no
           "ngram": {}}[case]
     kw.setdefault("kv", {"block_size": 4})
     engine = make_engine(target, "ngram" if case == "ngram" else noisy_draft, gamma=4, **kw)
-    for _ in range(2):
+    for round_ in range(2):
         outputs = engine.generate([Request(p, max_tokens=MAX_NEW) for p in prompts])
         assert [o.tokens for o in outputs] == refs
+        if round_ and case != "chain-no-cache":  # each response counts the prompt tokens its verifier found cached
+            assert all(o.stats.cached_tokens >= 20 for o in outputs), [o.stats.cached_tokens for o in outputs]
     runners = [r for r in (target_runner(engine), draft_runner(engine)) if r is not None]
     for runner in runners:
         assert runner.slots_in_use == 0 and runner.pool.blocks_in_use == 0

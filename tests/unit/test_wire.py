@@ -72,6 +72,7 @@ def outcome() -> VerifyOutcome:
         num_proposed=[3, 1, 0],
         resync=[0],
         verify_seconds=0.5,
+        cached=[0, 32, 0],
     )
 
 
@@ -473,6 +474,8 @@ def test_bad_verify() -> None:
         ({"resync": i64(7)}, "resync row emits"),
         ({"resync": i64(99)}, "resync"),
         ({"verify_seconds": math.inf}, "verify_seconds"),
+        ({"cached": i32(0, -1, 0)}, "outcome.cached"),
+        ({"cached": i32(0, 0)}, "cached"),
     ],
 )
 def test_bad_outcome(changes: dict[str, Any], match: str) -> None:
