@@ -10,11 +10,14 @@ On a (target, draft) pair of local folders (default: the embedded pair), CPU, in
   growing past ``--chat-tokens``) and a shared-system-prompt workload, every request once with the cache and
   once without, interleaved: time to first token p50 of each, the ratio, decode tokens/s of each, the hit
   rate, outputs identical;
+- **preemption**: the capacity workload on a block pool of half the blocks its sequences need at full length
+  (``router.max_running`` 64, so all are admitted together): every request finishes, outputs identical to an
+  ample pool's, preemptions counted;
 - **speed without sharing**: plain and speculative tokens/s at batches 1 and 16, blocks of 16 against the
   slot layout (``kv.block_size`` = ``max_len``: one block per sequence, the pool as it was before paging), each
   batch of prompts timed by its fastest of ``--repeats`` interleaved rounds (for a machine shared with other work).
 
-    python scripts/bench_kv.py [--target DIR --draft DIR] [--out DIR] [--repeats 3] [--parts capacity,prefix,speed]
+    python scripts/bench_kv.py [--target DIR --draft DIR] [--out DIR] [--repeats 3] [--parts capacity,prefix,preemption,speed]
 
 Writes DIR/kv.json and DIR/kv.md (default docs/results), and prints the tables.
 """
@@ -52,11 +55,11 @@ def _args(argv=None):
     p.add_argument("--speed-prompts", type=int, default=16)
     p.add_argument("--speed-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--parts", default="capacity,prefix,speed")
+    p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
-    unknown = set(args.parts) - {"capacity", "prefix", "speed"}
+    unknown = set(args.parts) - set(PARTS)
     if unknown:
         p.error(f"unknown --parts {sorted(unknown)}")
     return args
@@ -93,15 +96,18 @@ class Pair:
         return [tuple(torch.randint(3, self.vocab, (length,), generator=gen).tolist()) for _ in range(n)]
 
 
-def _run(engine, requests) -> tuple[list[tuple[int, ...]], float, int]:
-    """Outputs, seconds, and the most sequences running at once."""
+def _run(engine, requests, finished: list | None = None) -> tuple[list[tuple[int, ...]], float, int]:
+    """Outputs, seconds, and the most sequences running at once; ``finished`` collects finish reasons."""
     ids = [engine.add(r) for r in requests]
     t0, peak = time.perf_counter(), 0
     while engine.has_work:
         engine.step()
         peak = max(peak, len(engine.running))
     seconds = time.perf_counter() - t0
-    return [engine.output(i).tokens for i in ids], seconds, peak
+    outputs = [engine.output(i) for i in ids]
+    if finished is not None:
+        finished += [o.finish_reason for o in outputs]
+    return [o.tokens for o in outputs], seconds, peak
 
 
 def _ttft(engine, request) -> tuple[tuple[int, ...], float, float]:
@@ -118,13 +124,19 @@ def _ttft(engine, request) -> tuple[tuple[int, ...], float, float]:
     return out, first - t0, (len(out) - 1) / max(end - first, 1e-9)
 
 
-def capacity(pair: Pair, args) -> dict:
+CAPACITY_NEW = 40  # generated tokens per capacity request
+
+
+def _capacity_requests(pair: Pair, args) -> list:
     from engine.engine import Request
 
+    prompts = pair.prompts(1, args.capacity_requests, args.seq_len - CAPACITY_NEW)
+    return [Request(p, max_tokens=CAPACITY_NEW) for p in prompts]
+
+
+def capacity(pair: Pair, args) -> dict:
     blocks = args.budget_slots * args.max_len // BLOCK
-    new = 40
-    prompts = pair.prompts(1, args.capacity_requests, args.seq_len - new)
-    requests = [Request(p, max_tokens=new) for p in prompts]
+    requests = _capacity_requests(pair, args)
     slots = pair.engine(slots=args.budget_slots, block_size=args.max_len)
     paged = pair.engine(slots=64, blocks=blocks)
     ref, ref_s, ref_peak = _run(slots, requests)
@@ -133,6 +145,21 @@ def capacity(pair: Pair, args) -> dict:
     return {"budget_positions": blocks * BLOCK, "slot_layout_sequences": ref_peak, "paged_sequences": peak,
             "ratio": peak / ref_peak, "preemptions": paged.preemptions, "requests": len(requests),
             "slot_tokens_per_s": tokens / ref_s, "paged_tokens_per_s": tokens / s,
+            "identical": sum(a == b for a, b in zip(out, ref))}
+
+
+def preemption(pair: Pair, args) -> dict:
+    requests = _capacity_requests(pair, args)
+    need = len(requests) * -(-args.seq_len // BLOCK)  # every sequence at its full length at once
+    ample, half = pair.engine(slots=64, blocks=need + 64), pair.engine(slots=64, blocks=need // 2)
+    ref, ref_s, _ = _run(ample, requests)
+    reasons: list[str] = []
+    out, s, peak = _run(half, requests, reasons)
+    tokens = sum(len(o) for o in out)
+    return {"requests": len(requests), "blocks_needed": need, "pool_blocks": need // 2,
+            "ample_preemptions": ample.preemptions, "preemptions": half.preemptions, "peak_running": peak,
+            "finished": sum(r == "length" for r in reasons), "failed": sum(r == "error" for r in reasons),
+            "ample_tokens_per_s": tokens / ref_s, "half_tokens_per_s": tokens / s,
             "identical": sum(a == b for a, b in zip(out, ref))}
 
 
@@ -240,6 +267,15 @@ def _markdown(report: dict) -> str:
                          f"{r['decode_tokens_per_s_off']:.0f} / {r['decode_tokens_per_s_on']:.0f} | "
                          f"{r['hit_rate']:.0%} | {r['identical']}/{r['requests']} |")
         lines.append("")
+    if "preemption" in report:
+        c = report["preemption"]
+        lines += [f"Preemption: {c['requests']} sequences of ~{report['seq_len']} tokens admitted at once, "
+                  f"{c['blocks_needed']} blocks at full length:", "",
+                  "| pool | preemptions | finished / failed | tokens/s | identical |", "|---|---|---|---|---|",
+                  f"| {c['blocks_needed'] + 64} blocks (ample) | {c['ample_preemptions']} | reference | "
+                  f"{c['ample_tokens_per_s']:.0f} | reference |",
+                  f"| {c['pool_blocks']} blocks (half) | {c['preemptions']} | {c['finished']} / {c['failed']} | "
+                  f"{c['half_tokens_per_s']:.0f} | {c['identical']}/{c['requests']} |", ""]
     if "speed" in report:
         lines += [f"Speed without sharing: blocks of {BLOCK} vs the slot layout (speculative at a fixed γ = "
                   f"{SPEED_GAMMA}), each batch timed by its fastest of {report['repeats']} interleaved rounds:", "", "| run | slots tok/s | blocks tok/s | blocks / slots | identical |",
@@ -251,16 +287,19 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS = {"capacity": capacity, "prefix": prefix, "preemption": preemption, "speed": speed}
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     pair = Pair(args)
     report = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
               "date": datetime.date.today().isoformat(), "pair": f"{args.target}, {args.draft}",
-              "max_len": args.max_len, "repeats": args.repeats}
+              "max_len": args.max_len, "seq_len": args.seq_len, "repeats": args.repeats}
     for part in args.parts:
         t0 = time.perf_counter()
         print(f"[bench_kv] {part} …", flush=True)
-        report[part] = {"capacity": capacity, "prefix": prefix, "speed": speed}[part](pair, args)
+        report[part] = PARTS[part](pair, args)
         print(f"[bench_kv] {part} done in {time.perf_counter() - t0:.0f} s", flush=True)
     text = _markdown(report)
     print(text)

@@ -65,9 +65,9 @@ PORT = 18000 + os.getpid() % 1000  # the config's http.port; the ingress replica
 
 def served_args(args, placement: str | None, stages: str = "remote", transport: str = "handles") -> dict:
     """The app's config: cluster/examples/default.yaml with this run's pair, context and layout."""
-    from deployments.launch import DEFAULT_CONFIG, load_launch_config
+    from deployments.bench_apps import default_app_args
 
-    cfg = load_launch_config(str(DEFAULT_CONFIG), host="127.0.0.1", port=PORT).to_serve_args()
+    cfg = default_app_args(PORT)
     cfg["target"].update(path=args.target, max_model_len=args.max_model_len)
     cfg["router"].update(max_running=max(args.batch, 1), max_queue=2 * max(args.batch, 1), stages=stages,
                          transport=transport)
@@ -79,73 +79,7 @@ def served_args(args, placement: str | None, stages: str = "remote", transport: 
         cfg["draft"].update(kind="model", path=args.draft)
         if placement != "local":  # with local stages the draft runs in the router, wherever the pool would be
             cfg["draft_pool"]["placement"] = placement
-    cfg["ray"]["auth_mode"] = os.environ["RAY_AUTH_MODE"]
     return cfg
-
-
-def start_apps(args) -> dict[str, tuple[str, str]]:
-    """Start Ray + Serve on loopback as ``specserve serve`` starts its own (each ingress replica serving HTTP
-    itself, ``deployments.loopback.direct_ingress_env``) and deploy one app per served row; returns row name
-    → (app name, base URL)."""
-    from deployments.loopback import direct_ingress_env, init_local_ray
-
-    # Before Ray starts (its processes read them at import): a port range with room for every row's ingress.
-    count = 2 * len(args.placements) + 2  # served_layouts' most rows
-    first = free_port_range(count)
-    os.environ.update(direct_ingress_env(first, count))
-    # Several apps side by side: Ray's CPU count is logical, raised so that all their replicas are placed
-    # (each reserves 0.25 CPU; their threads come from the config, not from this).
-    init_local_ray(num_cpus=4 * (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                   runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}})
-    from ray import serve
-
-    from deployments.app import build_app
-    from deployments.launch import deploy
-
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})  # the proxy idles, as with specserve serve
-    urls, taken = {}, set()
-    for i, (row, layout) in enumerate(served_layouts(args).items()):
-        name = f"bench{i}"
-        deploy(build_app(served_args(args, *layout)), name, route_prefix=f"/{name}")
-        port = new_listener(range(first, first + count), taken)  # this app's ingress
-        taken.add(port)
-        urls[row] = (name, f"http://127.0.0.1:{port}/{name}")
-    return urls
-
-
-def free_port_range(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports that are all free now."""
-    import random
-    import socket
-
-    for _ in range(100):
-        first = random.randrange(20000, 60000 - n)
-        try:
-            for port in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free loopback ports found")
-
-
-def new_listener(ports, taken: set[int], timeout_s: float = 60.0) -> int:
-    """The one port of ``ports`` outside ``taken`` that accepts connections (an app's ingress just started)."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = set()
-        for port in set(ports) - taken:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    found.add(port)
-        if len(found) == 1:
-            return found.pop()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"expected one new ingress port in {ports}, found {sorted(found)}")
-        time.sleep(0.2)
 
 
 def served_layouts(args) -> dict[str, tuple[str | None, str, str]]:
@@ -268,7 +202,10 @@ def main() -> int:
         for n in args.threads:
             row = f"{name} ({n} thread{'s' if n > 1 else ''})"
             engines[row], threads[row] = engine, n
-    urls = start_apps(args)
+    from deployments.bench_apps import start_apps, stop_apps
+
+    layouts = served_layouts(args)
+    urls = start_apps({row: served_args(args, *layout) for row, layout in layouts.items()})
     rows = [*engines, *urls]
     client = httpx.Client(timeout=600)
 
@@ -322,11 +259,7 @@ def main() -> int:
 
     memory = process_memory()
     mem_rows = memory_rows(args, urls, memory)
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+    stop_apps()
 
     plain_rows = [r for r in engines if r.startswith("in-process plain")]
     best_plain = max(plain_rows, key=lambda r: batch1[r]["tokens"] / batch1[r]["seconds"])

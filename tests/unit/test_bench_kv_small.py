@@ -1,6 +1,7 @@
 """scripts/bench_kv.py end to end on the embedded default pair, small. Checks what the report must hold, not
 how fast anything was (figures: docs/results.md): more sequences at once than the slot layout holds, the
-prefix cache hit on both workloads, every output identical, and the two output files."""
+prefix cache hit on both workloads, a pool of half the blocks preempting and finishing everything, every
+output identical, and the two output files."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def test_small_kv_run_writes_a_complete_report(tmp_path):
     for workload in ("chat", "system_prompt"):
         row = report["prefix"][workload]
         assert row["hit_rate"] > 0 and row["identical"] == row["requests"], row
+    preemption = report["preemption"]
+    assert preemption["pool_blocks"] * 2 <= preemption["blocks_needed"] and preemption["preemptions"] > 0
+    assert preemption["finished"] == preemption["identical"] == 6 and preemption["failed"] == 0, preemption
     assert set(report["speed"]) == {f"batch {b}, {m}" for b in (1, 16) for m in ("plain", "speculative")}
     assert all(row["identical"] for row in report["speed"].values())
-    assert "Prefix cache" in (tmp_path / "kv.md").read_text()
+    text = (tmp_path / "kv.md").read_text()
+    assert "Prefix cache" in text and "Preemption" in text
