@@ -14,6 +14,11 @@ import time
 
 from deployments.loopback import direct_ingress_env, init_local_ray
 
+# A throwaway cluster on loopback: token auth off, as in the tests (README, Security). Ray reads these when it is
+# imported, so a benchmark imports this module before anything imports Ray.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 
 def default_app_args(port: int) -> dict:
     """The embedded default config (cluster/examples/default.yaml) as ``build_app``'s arguments, on loopback,
@@ -62,9 +67,10 @@ def stop_apps() -> None:
 
 
 def free_port_range(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports that are all free now."""
+    """The first of ``n`` consecutive loopback ports that are all free now: between Ray's worker ports (10002–19999)
+    and Linux's ephemeral range (from 32768), from which any process's outgoing sockets may take one later."""
     for _ in range(100):
-        first = random.randrange(20000, 60000 - n)
+        first = random.randrange(20000, 32768 - n)
         try:
             for port in range(first, first + n):
                 with socket.socket() as s:

@@ -52,11 +52,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# A throwaway cluster on loopback (deployments.loopback): token auth off, as in the tests (README, Security).
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
+import deployments.bench_apps  # noqa: E402,F401  (its environment for Ray, before Ray is imported)
 from evaluation.scenarios import SCENARIOS, load_prompts  # noqa: E402
 from tools.loadgen import pct  # noqa: E402
 

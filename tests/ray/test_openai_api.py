@@ -76,6 +76,19 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
     assert cached == 32 and again.model_extra["speculation"]["cached_tokens"] == cached  # two blocks of 16
 
 
+def test_the_kv_benchmarks_http_client_times_a_stream_and_reads_its_cached_tokens(app):
+    """evaluation.kv_bench's client over HTTP (what its prefix_http part measures with): the tokens of a
+    stream, its first token's time and the hits from the final usage chunk."""
+    from evaluation.kv_bench import HttpClient
+
+    ask = HttpClient(app.base, MODEL, headers=app.headers())
+    prompt = tuple(int(t) for t in torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(10)))
+    first, again = ask(prompt, 8), ask(prompt, 8)
+    assert first.tokens == again.tokens and len(first.tokens) == 8
+    assert (first.cached, again.cached) == (0, 32)
+    assert 0 < again.ttft_s < 60 and again.decode_tokens_per_s > 0
+
+
 def test_chat_greedy_match_reference(client):
     for messages in ([{"role": "user", "content": "What is the capital of France?"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count the stars"},
