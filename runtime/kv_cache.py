@@ -47,8 +47,12 @@ class KVPool:
         self.scratch = num_blocks  # the block padded tokens write to
         self.prefix_cache = prefix_cache
         # A heap: the lowest free block first, so that a sequence alone in the pool grows over a run of blocks,
-        # which attention reads as a view.
+        # which attention reads as a view. ``allocate(after=…)`` may take a block out of turn: its entry stays
+        # in the heap (``_queued``), stale until the block is free again, and is skipped when it comes up
+        # while the block is held; so ``_num_free`` counts the free blocks, and no block is queued twice.
         self._free = list(range(num_blocks))
+        self._queued = [True] * num_blocks
+        self._num_free = num_blocks
         self._refs = [0] * num_blocks
         self._index: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # key → (block, uid)
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # published block → its key
@@ -63,7 +67,7 @@ class KVPool:
     @property
     def blocks_in_use(self) -> int:
         """Blocks some sequence holds (idle cached blocks are free to take)."""
-        return self.num_blocks - len(self._free) - len(self._idle)
+        return self.num_blocks - self._num_free - len(self._idle)
 
     @property
     def cached_blocks(self) -> int:
@@ -75,10 +79,22 @@ class KVPool:
 
     # -- blocks ------------------------------------------------------------------------------------------
 
-    def allocate(self) -> int:
-        """A block for one holder: a never-published free one, else the least recently used idle cached one."""
-        if self._free:
+    def _is_free(self, block: int) -> bool:
+        return self._refs[block] == 0 and block not in self._key_of
+
+    def allocate(self, after: int | None = None) -> int:
+        """A block for one holder: the block after ``after`` when it is free (a sequence growing after a
+        cached prefix then keeps one run of blocks, which attention reads as a view instead of gathering it),
+        else the lowest never-published free one, else the least recently used idle cached one."""
+        while self._free and not self._is_free(self._free[0]):
+            self._queued[heapq.heappop(self._free)] = False  # stale: taken out of turn
+        if after is not None and after + 1 < self.num_blocks and self._is_free(after + 1):
+            block = after + 1
+            self._num_free -= 1
+        elif self._free:
             block = heapq.heappop(self._free)
+            self._queued[block] = False
+            self._num_free -= 1
         elif self._idle:
             block, _ = self._idle.popitem(last=False)
             del self._index[self._key_of.pop(block)]
@@ -98,7 +114,10 @@ class KVPool:
             if block in self._key_of:
                 self._idle[block] = None  # most recently used last
             else:
-                heapq.heappush(self._free, block)
+                if not self._queued[block]:
+                    heapq.heappush(self._free, block)
+                    self._queued[block] = True
+                self._num_free += 1
 
     def shared(self, block: int) -> bool:
         return self._refs[block] > 1

@@ -163,10 +163,10 @@ class ModelRunner:
         self.evictions += 1
         return True
 
-    def _allocate_block(self) -> int:
+    def _allocate_block(self, after: int | None = None) -> int:
         while True:
             try:
-                return self.pool.allocate()
+                return self.pool.allocate(after)
             except KVPoolFull:
                 if not self._evict_idle():
                     raise
@@ -203,7 +203,7 @@ class ModelRunner:
             else:
                 self.pool.unpublish(blocks[i])
         while len(blocks) * bs < end:
-            blocks.append(self._allocate_block())
+            blocks.append(self._allocate_block(blocks[-1] if blocks else None))
         while shrink and (len(blocks) - 1) * bs >= end:
             self.pool.release(blocks.pop())
 

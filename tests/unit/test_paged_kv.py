@@ -152,3 +152,26 @@ def test_a_request_that_can_never_fit_is_refused_at_admission(target):
         engine.add(Request(tuple(range(3, 23)), max_tokens=20))
     run_to_end(engine)
     engine.add(Request(tuple(range(3, 13)), max_tokens=8))  # 10 + 8 + headroom fits 8 × 4 positions
+
+
+def test_a_block_taken_out_of_turn_keeps_the_free_count_and_the_heap_right():
+    """``allocate(after=b)`` takes block b + 1 when it is free, so that a sequence growing past a cached prefix
+    keeps one run of blocks (read as a view); the heap's stale entry for it is skipped, never handed out twice."""
+    from runtime.kv_cache import KVPool
+    pool = KVPool(num_layers=1, num_blocks=8, block_size=4, kv_heads=1, head_dim=2, dtype=torch.float32,
+                  device="cpu", prefix_cache=False)
+    held = [pool.allocate() for _ in range(4)]
+    assert held == [0, 1, 2, 3]
+    pool.release(1)
+    assert pool.allocate(after=3) == 4  # out of turn: 1 is lower
+    assert pool.allocate(after=0) == 1  # 1 is free again and follows 0
+    assert pool.allocate(after=2) == 5  # 3 is held: the lowest free one
+    assert pool.blocks_in_use == 6
+    pool.release(4)
+    assert [pool.allocate() for _ in range(3)] == [4, 6, 7]  # 5's stale entry skipped, 4 queued once
+    assert pool.blocks_in_use == 8
+    with pytest.raises(Exception, match="in use"):
+        pool.allocate()
+    for b in range(8):
+        pool.release(b)
+    assert pool.blocks_in_use == 0 and sorted(pool.allocate() for _ in range(8)) == list(range(8))
