@@ -139,15 +139,17 @@ def hbm_bandwidth(device: torch.device, tiny: bool) -> dict:
 class Bench:
     """One target runner and one draft proposer, shared by every engine the benchmark builds."""
 
-    def __init__(self, target, draft, *, max_slots: int, max_len: int, gamma: int | None):
+    def __init__(self, target, draft, *, max_slots: int, max_len: int, gamma: int | None,
+                 block_size: int | None = None):
         from draftpool.draft_model import DraftModelProposer
         from runtime.runner import ModelRunner
         from verifier.verify import VerifyStage
 
         self.target, self.draft = target, draft
         self.device = next(target.parameters()).device
-        self.verifier = VerifyStage(ModelRunner(target, max_slots=max_slots, max_len=max_len))
-        self.proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len)
+        layout = {"block_size": block_size} if block_size else {}  # None: the served default
+        self.verifier = VerifyStage(ModelRunner(target, max_slots=max_slots, max_len=max_len, **layout))
+        self.proposer = DraftModelProposer(draft, max_slots=max_slots, max_len=max_len, **layout)
         self.max_slots, self.max_len, self.gamma = max_slots, max_len, gamma
 
     def engine(self, speculate: bool):
@@ -358,6 +360,9 @@ def run(args) -> dict:
     if not args.no_hf:
         result["plain"]["hf_generate_tokens_per_s"] = round(hf_generate(target, prompts, args.max_tokens)
                                                             ["tokens_per_s"], 2)
+    if budget.allows("kv layout"):
+        log("[bench_gpu] paged KV against one slot of max_len per sequence")
+        result["kv_layout"] = kv_layout(args, bench, target, draft, prompts, max_len)
     log("[bench_gpu] profiling batch-1 steps")
     result["profile"] = {"plain": profile_steps(bench, prompts[0], args.profile_tokens, False),
                          "speculative": profile_steps(bench, prompts[0], args.profile_tokens, True)}
@@ -406,6 +411,33 @@ def run(args) -> dict:
     result["elapsed_s"] = round(budget.elapsed, 1)
     result["skipped"] = budget.skipped
     return result
+
+
+def kv_layout(args, paged: Bench, target, draft, prompts: list[tuple[int, ...]], max_len: int) -> dict:
+    """The served paged pool (blocks of the default size) beside the slot layout it replaced (one block of
+    ``max_len`` per sequence): plain and speculative tokens/s at batch 1 and at the largest scan batch (at most
+    16), the modes interleaved over ``--repeats`` rounds, each cell its fastest round."""
+    slots = Bench(target, draft, max_slots=paged.max_slots, max_len=max_len, gamma=paged.gamma, block_size=max_len)
+    big = min(16, paged.max_slots)
+    batch_prompts = ragged_prompts(draft.config.vocab_size, big, 16, 48, seed=args.seed + 77)
+    rows = []
+    for batch, ps, tokens in ((1, prompts, args.max_tokens), (big, batch_prompts, args.scan_tokens)):
+        for speculate in (False, True):
+            cells: dict[str, list[dict]] = {"slots": [], "blocks": []}
+            for _ in range(args.repeats):
+                for name, b in (("slots", slots), ("blocks", paged)):
+                    cells[name].append(b.run(b.engine(speculate), ps, tokens, one_at_a_time=batch == 1))
+            best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in cells.items()}
+            rows.append({"batch": batch, "mode": "speculative" if speculate else "plain",
+                         "slots_tokens_per_s": round(best["slots"]["tokens_per_s"], 2),
+                         "blocks_tokens_per_s": round(best["blocks"]["tokens_per_s"], 2),
+                         "blocks_over_slots": round(best["blocks"]["tokens_per_s"] / best["slots"]["tokens_per_s"], 3),
+                         "identical": best["slots"]["outputs"] == best["blocks"]["outputs"]})
+    block_size = paged.verifier.runner.block_size
+    del slots
+    if paged.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"block_size": block_size, "slot_len": max_len, "repeats": args.repeats, "rows": rows}
 
 
 def batch_scan(args, bench: Bench, budget: Budget, epsilons: dict, vocab: int, target) -> dict:
@@ -507,6 +539,14 @@ def table(result: dict) -> str:
                      f"{s['c']:6.3f} {s['plain_tokens_per_s']:9.1f} {s['spec_tokens_per_s']:9.1f} "
                      f"{s['speedup']:5.2f}× {s['leviathan_bound']:5.2f}× "
                      f"{s.get('hf_assisted_speedup', float('nan')):7.2f}× {s['identical_to_plain']:>6}")
+    kv = result.get("kv_layout")
+    if kv:
+        lines += ["", f"paged KV (blocks of {kv['block_size']}) vs slots of {kv['slot_len']}, fastest of "
+                      f"{kv['repeats']}, tokens/s:", f"{'batch':>5} {'mode':12} {'slots':>10} {'blocks':>10} "
+                                                       f"{'ratio':>6} {'identical':>9}"]
+        for r in kv["rows"]:
+            lines.append(f"{r['batch']:5d} {r['mode']:12} {r['slots_tokens_per_s']:10.1f} "
+                         f"{r['blocks_tokens_per_s']:10.1f} {r['blocks_over_slots']:5.2f}× {str(r['identical']):>9}")
     scan = result["batch_scan"]
     if scan["rows"]:
         lines += ["", f"batch scan ({scan['scenario']}, ε {scan['epsilon']:.4g}, {scan['tokens_per_sequence']} tokens "

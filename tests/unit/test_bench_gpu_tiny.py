@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 MINIMAL = ["--tiny", "--prompts", "1", "--max-tokens", "6", "--scan-tokens", "4", "--batches", "1,3",
            "--repeats", "1", "--calib-prompts", "2", "--calib-tokens", "8", "--calib-trials", "4"]
 
-TOP = {"label", "device", "mode", "dtype", "settings", "pair", "memory", "plain", "scenarios", "batch_scan",
-       "seed_comparison", "elapsed_s", "skipped", "import_check"}
+TOP = {"label", "device", "mode", "dtype", "settings", "pair", "memory", "plain", "kv_layout", "scenarios",
+       "batch_scan", "seed_comparison", "elapsed_s", "skipped", "import_check"}
 MEMORY = {"copy_bytes", "bandwidth_gb_s", "target_bytes", "draft_bytes", "target_step_floor_ms",
           "draft_step_floor_ms", "batch1_tokens_per_s_floor", "c_floor"}
 PLAIN = {"engine_tokens_per_s", "engine_target_step_ms", "share_of_floor", "hf_generate_tokens_per_s"}
@@ -50,6 +50,12 @@ def test_bench_gpu_tiny(tmp_path):
     assert TOP <= set(result)
     assert MEMORY <= set(result["memory"])
     assert PLAIN <= set(result["plain"])
+    kv = result["kv_layout"]  # the paged pool beside one slot of max_len per sequence
+    assert kv["block_size"] < kv["slot_len"]
+    assert [(r["batch"], r["mode"]) for r in kv["rows"]] == [(1, "plain"), (1, "speculative"), (3, "plain"),
+                                                             (3, "speculative")]
+    assert all(r["identical"] and r["blocks_over_slots"] > 0 for r in kv["rows"])  # fp32: the same tokens
+    assert "paged KV (blocks of" in proc.stdout
     assert [s["name"] for s in result["scenarios"]] == ["json", "code", "prose"]
     for s in result["scenarios"]:
         assert SCENARIO <= set(s), SCENARIO - set(s)
