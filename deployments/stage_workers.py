@@ -86,12 +86,12 @@ class StageWorker:
 
 def stage_stats(stage, calls: int) -> dict:
     """What a stage process reports to ``/debug/kv``: its calls, KV slots and sequences, and a tensor-parallel
-    group's ranks (``health`` asks them, so this may block)."""
+    group's ranks (``health`` asks them, so this may block; a group being rebuilt says so instead)."""
     runner = getattr(stage, "runner", None)
     health = getattr(stage, "health", None)
     return {"pid": os.getpid(), "calls": calls, "slots_in_use": runner.slots_in_use if runner is not None else 0,
             "sequences": len(runner.seqs) if runner is not None else len(getattr(stage, "histories", {})),
-            "group": health() if health is not None else None}
+            "group": health(rebuilding_ok=True) if health is not None else None}
 
 
 def start_worker(make_stage: Callable[[], object], limits: wire.WireLimits, *, name: str | None = None,

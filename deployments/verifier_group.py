@@ -216,6 +216,7 @@ class VerifierGroup:
         self.master: tuple[str, int] | None = None
         self.limits: wire.WireLimits | None = None
         self._pg = None
+        self._rebuilding_since: float | None = None  # monotonic start of the rebuild under way
         if start:
             self.start()
 
@@ -305,12 +306,15 @@ class VerifierGroup:
     def rebuild(self) -> None:
         """Tear every rank down and start a fresh group (which holds no sequence)."""
         with self._lock:
-            t0 = time.perf_counter()
-            self._teardown()
-            self.generation += 1
-            self.rebuilds += 1
-            self.start()
-            log.warning("verifier group rebuilt (generation %d) in %.1f s", self.generation, time.perf_counter() - t0)
+            t0 = self._rebuilding_since = time.monotonic()
+            try:
+                self._teardown()
+                self.generation += 1
+                self.rebuilds += 1
+                self.start()
+            finally:
+                self._rebuilding_since = None
+            log.warning("verifier group rebuilt (generation %d) in %.1f s", self.generation, time.monotonic() - t0)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -346,9 +350,20 @@ class VerifierGroup:
                 except Exception as exc:  # a lost release only leaves the slots to the ranks' LRU eviction
                     log.warning("verifier group release: %s", exc)
 
-    def health(self, timeout_s: float = 10.0) -> dict:
+    def health(self, timeout_s: float = 10.0, *, rebuilding_ok: bool = False) -> dict:
+        """Every rank's answer, or ``VerifierGroupError``. ``rebuilding_ok``: a rebuild still within its time
+        limits counts as healthy — for Serve's replica health check, since restarting the replica would only
+        start the same rebuild again, later (new ranks import torch for tens of seconds on a small host)."""
         # No lock: a verify being sent holds it for as long as the ranks take, and Serve's health check
         # must not wait behind that. A rebuild swaps ``actors`` whole, so this reads one generation's list.
+        since = self._rebuilding_since
+        if since is not None:  # the ranks being set up are not asked: a call cancelled by its caller's
+            # timeout (the router's probe) would take its calls to them with it
+            rebuilding_s = round(time.monotonic() - since, 1)
+            if not rebuilding_ok or rebuilding_s > self.spec.placement_timeout_s + self.spec.setup_timeout_s:
+                raise VerifierGroupError(f"the verifier group is being rebuilt ({rebuilding_s} s so far)")
+            return {"tp_size": self.tp_size, "generation": self.generation, "rebuilds": self.rebuilds,
+                    "master": None, "ranks": [], "rebuilding_s": rebuilding_s}
         actors, generation = list(self.actors), self.generation
         if not actors:
             raise VerifierGroupError("the verifier group is not running")

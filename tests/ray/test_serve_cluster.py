@@ -282,8 +282,11 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, prompts, ref
     reference output or an explicit error; the group is rebuilt and later requests succeed."""
     from ray import serve
 
+    verifier = serve.get_deployment_handle("Verifier", app_name=APP)
+    before = verifier.stats.remote().result()
+
     async def rank_pid():
-        group = (await serve.get_deployment_handle("Verifier", app_name=APP).stats.remote())["group"]
+        group = before["group"]
         assert len(group["ranks"]) == 2, group
         return group["ranks"][1]["pid"]  # a rank process crashes
 
@@ -291,6 +294,10 @@ def test_killing_a_verifier_rank_ends_every_request_cleanly(router, prompts, ref
     assert all(r is True or r == "error" for r in results), results  # never a silently wrong answer
     later = [router.generate.remote(_request(p)).result().token_ids for p in prompts[20:24]]
     assert later == references[20:24]
+    # The group was rebuilt where it lived: Serve did not replace the process that drives it.
+    after = verifier.stats.remote().result()
+    assert after["pid"] == before["pid"] and after["group"]["generation"] == before["group"]["generation"] + 1, \
+        (before, after)
 
 
 def _new_build(workers: dict, before: dict, drafts: int) -> bool:

@@ -8,6 +8,7 @@ and deepspeed: ~30 s on a 2-core box); the second test kills one of its ranks, s
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -149,10 +150,31 @@ def test_rank_death_rebuilds_group_and_generation_completes_via_resync(group, pr
         while time.monotonic() < deadline:  # the kill is asynchronous
             group.health(timeout_s=5)
             time.sleep(0.2)
+    # Serve's health check (rebuilding_ok) polled from another thread while the engine's next step rebuilds
+    # the group: from the moment the rebuild starts it must never fail (a failure would restart the replica).
+    answers: list = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                answers.append(group.health(timeout_s=2, rebuilding_ok=True).get("rebuilding_s", "ok"))
+            except VerifierGroupError:
+                answers.append("error")
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     t0 = time.perf_counter()
     while any(i not in engine.finished for i in ids):
         engine.step()
+    stop.set()
+    poller.join(timeout=10)
     print(f"rebuild + finish: {time.perf_counter() - t0:.1f} s")
+    during = [a for a in answers if a != "error"]
+    assert during and any(isinstance(a, float) for a in during), answers  # it answered "rebuilding"
+    first = next(i for i, a in enumerate(answers) if isinstance(a, float))
+    assert "error" not in answers[first:], answers
     assert [engine.output(i).tokens for i in ids] == reference
     assert group.rebuilds == 1 and group.generation == 1 and stages.failures == 1
     assert stages.resynced >= 1  # the rebuilt group answered resync and the engine re-prefilled
