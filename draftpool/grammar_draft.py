@@ -13,8 +13,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.grammar import Matcher, allow_all, apply_mask
-from runtime.host_copy import to_device
+from runtime.grammar import Matcher, allow_all, mask_rows
 
 
 class DraftMasks:
@@ -44,8 +43,7 @@ class DraftMasks:
             masks = allow_all(len(rows), self.vocab)
             for j, r in enumerate(rows):
                 self.matchers[r].fill_mask(masks[j : j + 1])
-            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            logits = logits.index_copy(0, index, apply_mask(logits[index], to_device(masks, logits.device)))
+            logits = mask_rows(logits, rows, masks)
         self.seconds += time.perf_counter() - t0
         return logits
 

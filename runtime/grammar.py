@@ -19,6 +19,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from runtime.host_copy import to_device
+
 BITS = 32
 
 
@@ -31,17 +33,38 @@ def allow_all(rows: int, vocab: int) -> torch.Tensor:  # [rows, W] int32, every 
     return torch.full((rows, mask_words(vocab)), -1, dtype=torch.int32)
 
 
+_SHIFTS: dict[torch.device, torch.Tensor] = {}  # per device: 0 … 31, the bit of each token in its word
+
+
+def _shifts(device: torch.device) -> torch.Tensor:  # [32] int32
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(BITS, device=device, dtype=torch.int32)
+    return shifts
+
+
 def unpack(mask: torch.Tensor,  # [..., W] int32 packed allowed-token bits
            vocab: int) -> torch.Tensor:  # [..., vocab] bool
-    shifts = torch.arange(BITS, device=mask.device, dtype=torch.int32)
-    bits = (mask.unsqueeze(-1) >> shifts) & 1  # [..., W, 32]
-    return bits.flatten(-2)[..., :vocab].bool()
+    return ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., :vocab].bool()
 
 
 def apply_mask(logits: torch.Tensor,  # [..., V] float
                mask: torch.Tensor,  # [..., W] int32 on logits' device
                ) -> torch.Tensor:  # [..., V]: disallowed tokens at -inf
-    return logits.masked_fill(~unpack(mask, logits.shape[-1]), float("-inf"))
+    refused = ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., : logits.shape[-1]] == 0
+    return logits.masked_fill(refused, float("-inf"))
+
+
+def mask_rows(logits: torch.Tensor,  # [B, ..., V] float
+              rows: Sequence[int],  # the constrained rows of logits, ascending
+              masks: torch.Tensor,  # [len(rows), ..., W] int32, CPU
+              ) -> torch.Tensor:  # [B, ..., V]: those rows' disallowed tokens at -inf, the others as they were
+    """The one place both stages mask logits: the draft per position, the verifier over γ + 1 positions."""
+    masks = to_device(masks, logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained (batch 1 among them): no gather, no scatter
+        return apply_mask(logits, masks)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return logits.index_copy(0, index, apply_mask(logits[index], masks))
 
 
 class Matcher(Protocol):

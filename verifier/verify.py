@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from runtime import rng
-from runtime.grammar import allow_all, apply_mask
+from runtime.grammar import allow_all, mask_rows
 from runtime.host_copy import fetch, to_device
 from runtime.protocol import ProposalBatch, VerifyItem, VerifyOutcome
 from runtime.runner import ModelRunner
@@ -132,8 +132,7 @@ class VerifyStage:
         for j, b in enumerate(rows):
             n = min(T, live[b].mask.shape[0])
             masks[j, :n] = live[b].mask[:n]
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        return logits.index_copy(0, index, apply_mask(logits[index], to_device(masks, logits.device)))
+        return mask_rows(logits, rows, masks)
 
     def _check_tree(self, proposal: ProposalBatch, items: Sequence[VerifyItem]) -> None:
         """Refuse a tree this stage cannot verify exactly, before anything runs: a refused proposal costs no
