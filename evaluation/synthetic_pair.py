@@ -81,6 +81,14 @@ TINY_DRAFT = DraftConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads
 TINY_EXTRA = TargetExtra(extra_layers=2, extra_heads=4, extra_kv_heads=2, extra_intermediate=128)
 # ~30B target over the ~1.1B draft: weight bytes give c ≈ 0.04 (--large in bench_gpu.py).
 LARGE_EXTRA = TargetExtra(extra_layers=44, extra_heads=112, extra_kv_heads=28, extra_intermediate=57344)
+# The 0.5B/1.5B instruct pairs' cost at batch 1: the draft has a 0.5B model's shapes (width 896, 24 layers, 14
+# heads over 2 KV heads, MLP 4864, a 151,936-token vocabulary); the target, which must keep the draft's width to
+# extend it, doubles the heads and the MLP and adds 23 layers, for a 1.5B model's ~1.5 G multiply-adds per
+# token (c ≈ 0.32 by multiply-adds). Untied embeddings make them 630M / 1.67B parameters.
+REAL_SHAPED_DRAFT = DraftConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                                intermediate_size=4864, max_position_embeddings=4096)
+REAL_SHAPED_EXTRA = TargetExtra(extra_layers=23, extra_heads=14, extra_kv_heads=2, extra_intermediate=4864)
+PRESETS = {"tiny": (TINY_DRAFT, TINY_EXTRA), "real-shaped": (REAL_SHAPED_DRAFT, REAL_SHAPED_EXTRA)}
 
 SCALED = ("self_attn.o_proj", "mlp.down_proj")  # the projections whose extra columns ε scales
 
@@ -281,6 +289,26 @@ def build_pair(draft: DraftConfig = DraftConfig(), extra: TargetExtra = TargetEx
     """(target, draft) as Hugging Face ``LlamaForCausalLM`` models in eval mode."""
     d = build_draft(draft, seed=seed, device=device, dtype=dtype)
     return build_target(d, draft, extra, epsilon=epsilon, seed=seed), d
+
+
+def cached_pair(preset: str, *, seed: int = 0, cache_dir: str | None = None):
+    """(target, draft) of a preset at ε = 0, fp32 on the CPU, built once and kept under ``cache_dir`` (default
+    ``~/.cache/specserve/pairs``; outside any checkout), then loaded from there."""
+    import os
+
+    from transformers import LlamaForCausalLM
+
+    draft_cfg, extra = PRESETS[preset]
+    folder = os.path.join(cache_dir or os.path.expanduser("~/.cache/specserve/pairs"), f"{preset}-seed{seed}")
+    if not os.path.exists(os.path.join(folder, "draft", "config.json")):
+        target, draft = build_pair(draft_cfg, extra, seed=seed)
+        tmp = folder + ".partial"
+        save_pair(target, draft, tmp)
+        os.replace(tmp, folder)  # whole or absent: a killed build leaves no pair that looks finished
+        return target, draft
+    load = {"dtype": torch.float32}
+    return (LlamaForCausalLM.from_pretrained(os.path.join(folder, "target"), **load).eval(),
+            LlamaForCausalLM.from_pretrained(os.path.join(folder, "draft"), **load).eval())
 
 
 def save_pair(target, draft, out_dir: str) -> dict:
