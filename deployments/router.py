@@ -290,6 +290,7 @@ class Router:
                 "fallbacks": stages.fallbacks if stages is not None else 0,
                 "fallback_reasons": dict(stages.fallback_reasons) if stages is not None else {},
                 "verifier_resyncs": self.engine.verifier_resyncs,
+                "seeded_redrafts": self.engine.seeded_redrafts,
                 "shard_prefix": self.handle_routes[1].shard_prefix if self.stages is not None else None,
                 "stats": self.engine.stats.as_dict(),
                 "in_flight": len(self.service.live),

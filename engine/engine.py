@@ -17,7 +17,9 @@ merged into one token tree the verifier checks in one pass (``engine/candidates.
 
 How much to speculate is the γ policy's one decision (``GammaPolicy.decide``, ``engine/gamma.py``): per
 micro-batch, γ (0: a plain step) and the token tree's node budget, from the step costs and yields it is fed
-after every decode step. A caller-seeded sampled row keeps the fixed γ, so its sample never depends on timing.
+after every decode step. A caller-seeded sampled row keeps the fixed γ, so its sample never depends on timing,
+and a row the draft lost (a replica that never held it, or one that did not answer) is drafted once more, with
+its whole history, before it is verified: verified without its drafts, its sample would change from there on.
 
 Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher, advanced here on committed
 tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
@@ -188,6 +190,7 @@ class Engine:
         self._pending: dict[int, tuple[Pending, list[int]]] = {}  # micro-batch → in-flight proposal, its rows
         self.last_step_wait = 0.0  # seconds the last step spent waiting on stage results
         self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
+        self.seeded_redrafts = 0  # batches drafted again because the draft lost a caller-seeded row
         self._mask_seconds = 0.0  # the last step's filling of the verifier's grammar masks
         # KV blocks per stage pool (None: enough for max_running sequences at max_len, nothing to count).
         # Every pool holds at most the running sequences, so keeping their blocks within one pool's keeps
@@ -259,6 +262,16 @@ class Engine:
             pending = self._submit_propose(k, batch)
         t0 = time.perf_counter()
         proposal: ProposalBatch = pending[0].result().select([s.seq_id for s in batch])
+        lost = [s for s in batch if s.seeded and s.seq_id in proposal.resync]
+        if lost:
+            # A caller-seeded sample depends on what was drafted: a row verified without its drafts (the draft
+            # replica lost it, or did not answer) would change the sample from here on. Draft the batch once
+            # more, those rows with their whole history, before verifying.
+            for s in lost:
+                s.proposer_base = 0
+            pending = self._submit_propose(k, batch)
+            proposal = pending[0].result().select([s.seq_id for s in batch])
+            self.seeded_redrafts += 1
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch, proposal), proposal, k)

@@ -142,3 +142,22 @@ def test_seeded_sample_does_not_depend_on_measured_costs(target, noisy_draft, pr
             engine.policy.observe_step(1, 3, spec_cost)
         outs.append(engine.generate([Request(prompts[3], max_tokens=MAX_NEW, sampling=params)])[0].tokens)
     assert outs[0] == outs[1]
+
+
+def test_seeded_sample_survives_a_draft_that_lost_the_sequence(target, noisy_draft, prompts):
+    """A draft replica that does not hold a sequence answers resync (Serve routed its part elsewhere, or a new
+    replica took it). The engine drafts that seeded row again with its whole history before verifying, so its
+    sample is the one it would have been; an unseeded request is not held back for it."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=4321)
+    request = Request(prompts[3], max_tokens=MAX_NEW, sampling=params)
+    reference = make_engine(target, noisy_draft, gamma=3).generate([request])[0].tokens
+    engine = make_engine(target, noisy_draft, gamma=3)
+    seq_id = engine.add(request)
+    losses = 0
+    while engine.has_work:
+        engine.step()
+        if seq_id in engine.running and engine.running[seq_id].generated and losses < 3:
+            engine.stages.proposer.release([seq_id])  # the draft forgets it between steps
+            losses += 1
+    assert losses == 3 and engine.seeded_redrafts == 3
+    assert engine.output(seq_id).tokens == reference
