@@ -93,12 +93,11 @@ class ForwardLog:
 def hf_generate(target, prompt: tuple[int, ...], max_tokens: int, assistant=None) -> tuple[list[int], float]:
     import torch
 
-    ids = torch.tensor([prompt])
-    kw = {"assistant_model": assistant} if assistant is not None else {}
+    from evaluation.synthetic_pair import greedy_continuation
+
     t0 = time.perf_counter()
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                          min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
+    out = greedy_continuation(target, torch.tensor([prompt]), max_tokens, assistant)
+    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
 
 
 class Engines:

@@ -330,11 +330,13 @@ def random_prompts(vocab_size: int, num_prompts: int, prompt_len: int, seed: int
 
 
 @torch.inference_mode()
-def greedy_continuation(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:  # [P, L + N]
-    """HF greedy ``generate`` of equal-length prompts (no padding), exactly ``new_tokens`` more tokens."""
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out
+def greedy_continuation(model, prompts: torch.Tensor,  # [P, L] int64 on the model's device
+                        new_tokens: int, assistant=None) -> torch.Tensor:  # [P, L + N]
+    """HF greedy ``generate`` of equal-length prompts (no padding), exactly ``new_tokens`` more tokens; with
+    ``assistant``, HF's assisted generation (its own drafting defaults): the synthetic-pair benchmarks' HF runs."""
+    kw = {"assistant_model": assistant} if assistant is not None else {}
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
 
 
 @torch.inference_mode()

@@ -55,8 +55,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from evaluation.synthetic_pair import (LARGE_EXTRA, TINY_DRAFT, TINY_EXTRA, DraftConfig, TargetExtra,  # noqa: E402
-                                          build_pair, calibrate_epsilon, param_bytes, param_count,
-                                          random_prompts, set_epsilon)
+                                          build_pair, calibrate_epsilon, greedy_continuation, param_bytes,
+                                          param_count, random_prompts, set_epsilon)
 from engine.gamma import expected_speedup  # noqa: E402  (S = (1−α^(γ+1)) / ((1−α)(γc+1)); mean γ may be real)
 
 CPU_LABEL = "CPU tiny-scale run, not H200 figures"
@@ -182,15 +182,12 @@ class Bench:
 def hf_generate(model, prompts, max_tokens: int, assistant=None) -> dict:
     """Hugging Face greedy ``generate``, one prompt at a time (optionally assisted by the draft)."""
     device = next(model.parameters()).device
-    kw = {"assistant_model": assistant} if assistant is not None else {}
     sync(device)
     t0 = time.perf_counter()
     tokens = 0
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
-        tokens += out.shape[1] - ids.shape[1]
+        tokens += greedy_continuation(model, ids, max_tokens, assistant).shape[1] - ids.shape[1]
     sync(device)
     seconds = time.perf_counter() - t0
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
