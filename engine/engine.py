@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence as Seq
 
 from engine.candidates import Candidates
-from engine.forced import WithForced
+from engine.forced import WithForced, model_drafts
 from engine.gamma import GammaPolicy, GammaState, Shape
 from runtime.grammar import Grammar, Matcher, allow_all
 from runtime.protocol import (GREEDY, ProposalBatch, ProposeItem, Proposer, SamplingParams, SyncItem,
@@ -285,7 +285,8 @@ class Engine:
         if not prefill:  # a prefill's time is not what a decode step costs
             # With several micro-batches the wall time includes drafting the following one (every step pays
             # one drafting, so the accounting balances in steady state).
-            self.policy.observe_step(len(batch), int(proposal.lengths.max()), time.perf_counter() - step_start)
+            seconds = time.perf_counter() - step_start
+            self.policy.observe_step(len(batch), model_drafts(proposal, pending[0]), seconds)
         events.extend(committed)
         return events
 
@@ -294,6 +295,11 @@ class Engine:
         items, forced = [], {}
         for seq in batch:
             gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else shape.gamma)
+            if seq.request.grammar is not None and seq.request.grammar.kind == "choice":
+                # A choice is decided at the token where its strings part, where the draft can only guess, and
+                # the grammar forces the rest: drafting would cost the draft a prefill of the prompt to save at
+                # most one target pass of an answer a few tokens long (docs/design.md, "Structured outputs").
+                gamma = 0
             run, ends = self._forced(seq)
             if run:
                 # The grammar drafts the run; the proposer drafts after it, unless the run completes the grammar;

@@ -16,6 +16,14 @@ import torch
 from runtime.protocol import ProposalBatch
 
 
+def model_drafts(proposal: ProposalBatch, pending) -> int:
+    """The most tokens any row of ``proposal`` drafted with the proposer, its forced run not counted: the γ the
+    step ran at, which is what the γ policy's cost model prices (a forced run costs no draft forward)."""
+    forced = pending.forced if isinstance(pending, WithForced) else {}
+    lengths = proposal.lengths.tolist()
+    return max((n - len(forced.get(s, ())) for s, n in zip(proposal.seq_ids, lengths)), default=0)
+
+
 class WithForced:
     """A pending proposal whose rows in ``forced`` (seq id → tokens) get those tokens before their drafts."""
 

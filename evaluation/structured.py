@@ -2,18 +2,24 @@
 
 Prompts (``scripts/prompts/structured.jsonl``, or ``--prompts-file``): JSON lines with a ``scenario`` name, a
 completion ``prompt`` and what the output must match — ``schema`` (a JSON schema), ``regex`` or ``choice``
-(a list of strings). Per scenario, at batch 1, every prompt goes through four runs in turn (interleaved as
+(a list of strings). Per scenario, at batch 1, every prompt goes through five runs in turn (interleaved as
 the scenario benchmark does, ``evaluation.scenarios.interleaved``):
 
+- ``unconstrained plain``: the target alone, no grammar;
 - ``unconstrained spec``: the draft model with the adaptive γ, no grammar (what a caller gets today);
 - ``constrained plain``: the target alone, its logits masked by the grammar;
 - ``constrained spec``: the draft model, masked q and masked p, forced tokens proposed free;
 - ``constrained spec, no forced``: the same without forced tokens (``speculation.forced_tokens: false``).
 
+The unconstrained runs stop at the length of the prompt's constrained answer (what constrained plain
+decoding emits, run once before the timed rounds), so every run decodes as many tokens per prompt and their
+tokens/s compare the same work: a choice is a few tokens, and left to run on, the unconstrained text would
+spread its prompt's prefill over many more.
+
 Columns: the share of outputs valid against their schema (``json.loads`` + ``jsonschema``) / regex / choice,
 the acceptance rate of model drafts, tokens per target pass (emitted per verify step), tokens/s, forced-token
-share, mask milliseconds per step and the mask's share of the run's wall time. Constrained greedy outputs of
-the speculative runs are compared with the constrained plain run's (they must be identical).
+share, mask milliseconds per step and the mask's share of the run's wall time. Greedy outputs of the
+speculative runs are compared with the plain run's of the same kind (they must be identical).
 
     python scripts/bench_scenarios.py --structured [--prompts 16] [--max-tokens 96] [--repeats 2] [--out DIR]
 
@@ -32,7 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "scripts" / "prompts" / "structured.jsonl"
-RUNS = ("unconstrained spec", "constrained plain", "constrained spec", "constrained spec, no forced")
+RUNS = ("unconstrained plain", "unconstrained spec", "constrained plain", "constrained spec",
+        "constrained spec, no forced")
 
 
 def load_rows(path: Path, limit: int) -> dict[str, list[dict]]:
@@ -71,6 +78,11 @@ def valid(row: dict, text: str) -> bool:
     return True
 
 
+def plain_of(run: str) -> str:
+    """The plain run a run's greedy outputs must equal."""
+    return "unconstrained plain" if run.startswith("unconstrained") else "constrained plain"
+
+
 def run_structured(args) -> int:
     from tqdm import tqdm
 
@@ -87,15 +99,17 @@ def run_structured(args) -> int:
                                   max_slots=1, gamma=args.gamma, gamma_max=args.gamma_max, forced_tokens=forced)
         return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
 
-    engines = dict(zip(RUNS, (engine(args.draft), engine(None), engine(args.draft), engine(args.draft, forced=False))))
+    engines = dict(zip(RUNS, (engine(None), engine(args.draft), engine(None), engine(args.draft),
+                              engine(args.draft, forced=False))))
 
     def runner(name: str):
         eng = engines[name]
+        constrained = not name.startswith("unconstrained")
 
         def run_one(x):
-            ids, grammar = x
-            request = Request(tuple(ids), max_tokens=args.max_tokens,
-                              grammar=None if name == "unconstrained spec" else grammar)
+            ids, grammar, length = x
+            request = Request(tuple(ids), max_tokens=args.max_tokens if constrained else length,
+                              grammar=grammar if constrained else None)
             return list(eng.generate([request])[0].tokens)
         return run_one
 
@@ -103,7 +117,10 @@ def run_structured(args) -> int:
     groups = load_rows(args.prompts_file or PROMPTS, args.prompts)
     rows = []
     for scenario, prompt_rows in groups.items():
-        inputs = [(tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))) for r in prompt_rows]
+        inputs = []
+        for r in prompt_rows:
+            ids, grammar = tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))
+            inputs.append((ids, grammar, len(runs["constrained plain"]((ids, grammar, args.max_tokens)))))
         for run_one in runs.values():
             run_one(inputs[0])  # warm-up: first-call costs, the γ policy's first steps
         for eng in engines.values():
@@ -117,14 +134,16 @@ def run_structured(args) -> int:
             row["runs"][name] = {
                 "valid_share": sum(valid(r, t) for r, t in zip(prompt_rows, texts)) / len(texts),
                 "acceptance_rate": st.acceptance_rate, "tokens_per_pass": st.acceptance_length,
-                "tok_s": tokens / seconds[name], "forced_share": st.forced_share,
+                "tokens": tokens, "tok_s": tokens / seconds[name], "forced_share": st.forced_share,
                 # per repeat: the stats count every repeat's steps, the seconds the fastest repeat
                 "mask_ms_per_step": 1e3 * st.mask_seconds / max(st.steps, 1),
                 "mask_share": st.mask_seconds / args.repeats / seconds[name],
-                "identical_to_plain": sum(a == b for a, b in zip(outputs[name], outputs["constrained plain"])),
+                "identical_to_plain": sum(a == b for a, b in zip(outputs[name], outputs[plain_of(name)])),
                 "sample": texts[0]}
         tok_s = {name: v["tok_s"] for name, v in row["runs"].items()}
         row["constrained_over_unconstrained_spec"] = tok_s["constrained spec"] / tok_s["unconstrained spec"]
+        row["constrained_over_unconstrained_plain"] = tok_s["constrained plain"] / tok_s["unconstrained plain"]
+        row["spec_over_plain_constrained"] = tok_s["constrained spec"] / tok_s["constrained plain"]
         row["forced_gain"] = tok_s["constrained spec"] / tok_s["constrained spec, no forced"]
         rows.append(row)
 
@@ -142,19 +161,22 @@ def run_structured(args) -> int:
 
 def markdown(report: dict) -> str:
     head = ["scenario", "run", "valid", "acceptance rate", "tokens / target pass", "tok/s*", "forced share",
-            "mask ms / step", "mask share", "identical to constrained plain"]
+            "mask ms / step", "mask share", "identical to plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["scenarios"]:
         for name, v in r["runs"].items():
-            same = "" if name == "unconstrained spec" else f"{v['identical_to_plain']}/{r['prompts']}"
+            same = "" if name == plain_of(name) else f"{v['identical_to_plain']}/{r['prompts']}"
             lines.append("| " + " | ".join([
                 f"{r['scenario']} ({r['prompts']})", name, f"{v['valid_share']:.0%}", f"{v['acceptance_rate']:.1%}",
                 f"{v['tokens_per_pass']:.2f}", f"{v['tok_s']:.1f}", f"{v['forced_share']:.1%}",
                 f"{v['mask_ms_per_step']:.3f}", f"{v['mask_share']:.1%}", same]) + " |")
     lines.append("")
     lines += [f"{r['scenario']}: constrained spec / unconstrained spec "
-              f"{r['constrained_over_unconstrained_spec']:.2f}×, forced tokens gain {r['forced_gain']:.2f}×"
+              f"{r['constrained_over_unconstrained_spec']:.2f}×, constrained plain / unconstrained plain "
+              f"{r['constrained_over_unconstrained_plain']:.2f}×, constrained spec / constrained plain "
+              f"{r['spec_over_plain_constrained']:.2f}×, forced tokens gain {r['forced_gain']:.2f}×"
               for r in report["scenarios"]]
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}; batch 1, max_tokens "
-                 f"{report['max_tokens']}, fastest of {report['repeats']} repeats.")
+                 f"{report['max_tokens']} (unconstrained runs: the constrained answer's length), fastest of "
+                 f"{report['repeats']} repeats.")
     return "\n".join(lines)

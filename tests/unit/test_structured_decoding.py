@@ -147,3 +147,47 @@ def test_cli_generate_with_a_choice(capsys):
     assert out["text"] in ("yes", "maybe later") and out["finish_reason"] == "stop"
     assert cli.main(["generate", "--target", pair.target, "--draft", "none", "--prompt", "x", "--regex", "[a-"]) == 2
     assert "invalid grammar" in capsys.readouterr().err
+
+
+class DraftCalls:
+    """A proposer that records the γ each row was asked for."""
+
+    def __init__(self, proposer):
+        self.proposer, self.gammas = proposer, []
+
+    def propose(self, items):
+        self.gammas += [(it.sync.seq_id, it.gamma) for it in items]
+        return self.proposer.propose(items)
+
+    def release(self, seq_ids):
+        self.proposer.release(seq_ids)
+
+
+def test_a_choice_is_not_drafted_by_the_model_only_forced():
+    target, draft_model = models()
+    engine = make_engine(target, draft_model, gamma=4, max_len=256)
+    engine.stages.proposer = calls = DraftCalls(engine.stages.proposer)
+    mix = [(PROMPTS[1], "choice"), (PROMPTS[0], "person")]
+    choice, person = engine.generate(requests(mix))
+    assert choice.tokens == expected(*mix[0]) and person.tokens == expected(*mix[1])
+    drafted = {}
+    for seq_id, gamma in calls.gammas:
+        drafted[seq_id] = drafted.get(seq_id, 0) + gamma
+    assert sorted(drafted.values())[0] == 0 and sorted(drafted.values())[1] > 0
+    assert choice.stats.accepted == 0 and choice.stats.forced > 0  # "maybe later" after "maybe": forced
+
+
+def test_the_gamma_policy_prices_model_drafts_not_forced_runs():
+    # A forced run costs no draft forward: a step of γ model drafts after a run of 5 forced tokens is priced as
+    # a step of γ, or the cost model would read long chains as cheap.
+    target, draft_model = models()
+    engine = make_engine(target, draft_model, gamma=2, max_len=256)
+    seen, widths = [], []
+    observe_step, verify = engine.policy.observe_step, engine.stages.submit_verify
+    engine.policy.observe_step = lambda rows, drafted, seconds: (seen.append(drafted),
+                                                                 observe_step(rows, drafted, seconds))
+    engine.stages.submit_verify = lambda items, proposal, shard: (widths.append(int(proposal.lengths.max())),
+                                                                  verify(items, proposal, shard))[1]
+    out = engine.generate(requests(MIX[:1]))[0]
+    assert out.tokens == expected(*MIX[0]) and out.stats.forced > 0
+    assert max(widths) > 2 and seen and max(seen) <= 2
