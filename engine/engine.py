@@ -309,10 +309,16 @@ class Engine:
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run),
                                      nodes=shape.nodes))
-            seq.proposer_base = len(seq.tokens)
         ids = [seq.seq_id for seq in batch]
+        if not any(it.gamma for it in items):
+            # Nothing for the proposer to draft (speculation off, choices, forced runs only): it is not called,
+            # and a remote pool not reached; it catches up on these tokens when the rows next draft.
+            pending = Done(ProposalBatch.empty(ids))
+            return (WithForced(pending, forced) if forced else pending), ids
+        for seq in batch:
+            seq.proposer_base = len(seq.tokens)
         # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
-        if self.draft_num == 1 or not any(it.gamma for it in items) or any(it.matcher for it in items):
+        if self.draft_num == 1 or any(it.matcher for it in items):
             pending = self.stages.submit_propose(items, shard)
             return (WithForced(pending, forced) if forced else pending), ids
         branches = [self.stages.submit_propose([replace(it, branch=b) for it in items], shard)

@@ -346,21 +346,17 @@ def test_bounds_are_validated():
 
 
 class SlowStages(LocalStages):
-    """The real stages, with a 0.2 s sleep in every verify that prefills and in one chosen step's drafting."""
+    """The real stages, with a 0.2 s sleep in every verify that prefills and in one chosen step. ``gammas``: the
+    drafts per row of each verified step (a plain step does not call the proposer at all)."""
 
     def __init__(self, verifier, proposer, slow_step: int):
         super().__init__(verifier, proposer)
         self.slow_step = slow_step
         self.gammas: list[int] = []
 
-    def submit_propose(self, items, shard=0):
-        self.gammas.append(max(it.gamma for it in items))
-        if len(self.gammas) - 1 == self.slow_step:
-            time.sleep(0.2)
-        return super().submit_propose(items, shard)
-
     def submit_verify(self, items, proposal, shard=0):
-        if any(it.sync.base == 0 for it in items):
+        self.gammas.append(int(proposal.lengths.max()))
+        if any(it.sync.base == 0 for it in items) or len(self.gammas) - 1 == self.slow_step:
             time.sleep(0.2)
         return super().submit_verify(items, proposal, shard)
 
