@@ -21,6 +21,11 @@ c is given for each speculative run. Prints a table and writes JSON (``--out``).
 
 With ``--target``/``--draft`` (a real pair, HF folders or GGUF files) the scenarios are the prompts files'
 (``evaluation.scenarios``' sets by default), tokenized by the target's tokenizer, instead of agreements.
+
+With ``--batch 1,2,4,8,16`` each scenario gets the scenario benchmark's batch rows on this pair instead of the
+breakdown (``evaluation.scenarios.batch_row``): plain against the default γ controller and each
+``--fixed-gammas``, every prompt ``batch`` sequences at a time, gains the median of ``--repeats`` interleaved
+rounds, outputs compared with plain decoding. Use at least as many ``--prompts`` as the largest batch.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def _args(argv=None):
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--fixed-gammas", default="", help='fixed γ runs, e.g. "4,8" (default: none)')
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", default="", help='batch rows instead of the breakdown, e.g. "1,2,4,8,16"')
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the batch rows")
     p.add_argument("--calib-trials", type=int, default=8)
     p.add_argument("--out", default=str(REPO / "bench-out"))
     p.add_argument("--name", default="assisted", help="the report's file name, without .json/.md")
@@ -63,6 +70,7 @@ def _args(argv=None):
         p.error("--target and --draft go together")
     args.agreement_list = [float(a) for a in args.agreements.split(",") if a.strip()]
     args.gamma_list = [int(g) for g in args.fixed_gammas.split(",") if g.strip()]
+    args.batch_list = [int(b) for b in args.batch.split(",") if b.strip()]
     return args
 
 
@@ -300,6 +308,38 @@ def scenario(args, target, draft, prompts: list[tuple[int, ...]], meta: dict) ->
     return {**meta, "runs": rows, "verify_cost": {"prompt_len": len(prompts[0]), "rows": verify}}
 
 
+def batch_scenario(args, target, draft, prompts: list[tuple[int, ...]], meta: dict) -> dict:
+    """The scenario's batch rows (``--batch``) on the models packed as the engine serves them."""
+    from tqdm import tqdm
+
+    from engine.assembly import EngineSettings, make_engine
+    from engine.engine import Request
+    from evaluation.scenarios import batch_row
+    from runtime.cpu_linear import pack_linears
+
+    pack_linears(target)
+    pack_linears(draft)
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 64
+
+    def engine(proposer, slots: int = 1, gamma: int | None = None):
+        fixed = {} if gamma is None else {"gamma": gamma, "gamma_max": max(gamma, EngineSettings.gamma_max),
+                                          "adaptive": False}
+        settings = EngineSettings(target=None, draft=proposer, max_len=max_len, max_slots=slots, **fixed)
+        return make_engine(settings, target_model=target, draft_model=draft if proposer else None)
+
+    rows = argparse.Namespace(draft="built", fixed_gammas=args.gamma_list, max_tokens=args.max_tokens,
+                              repeats=args.repeats)
+    return {**meta, "batches": [batch_row(rows, b, [list(p) for p in prompts], engine, Request, tqdm)
+                                for b in args.batch_list]}
+
+
+def then(args) -> str:
+    """What a scenario runs, for the progress line."""
+    if args.batch_list:
+        return f"the batch rows at batch {', '.join(map(str, args.batch_list))}"
+    return f"HF's runs and {len(runs(args))} engine runs per prompt"
+
+
 def run(args) -> dict:
     import torch
     import transformers
@@ -309,41 +349,47 @@ def run(args) -> dict:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    measure = batch_scenario if args.batch_list else scenario
     report = {"machine": f"vm: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
               "date": datetime.date.today().isoformat(), "platform": platform.platform(),
-              "prompts": args.prompts, "max_tokens": args.max_tokens, "scenarios": []}
+              "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": args.batch_list, "scenarios": []}
     if args.target:
         from runtime.models import load_causal_lm
 
         report["pair"] = {"target": args.target, "draft": args.draft}
         for name, prompts in folder_scenarios(args):
-            print(f"[bench_assisted] {name}: the pair loaded, HF's runs, then {len(runs(args))} engine runs per "
-                  "prompt", flush=True)
+            print(f"[bench_assisted] {name}: the pair loaded, then {then(args)}", flush=True)
             target, draft = (load_causal_lm(p, "float32", "cpu") for p in (args.target, args.draft))
-            report["scenarios"].append(scenario(args, target, draft, prompts, {"name": name}))
+            report["scenarios"].append(measure(args, target, draft, prompts, {"name": name}))
     else:
         report["pair"] = {"preset": args.preset, "draft_params": param_count(PRESETS[args.preset][0]),
                           "target_params": param_count(*PRESETS[args.preset])}
         for wanted in args.agreement_list:
             print(f"[bench_assisted] agreement {wanted}: the {args.preset} pair (built and cached on first use), ε "
-                  f"calibrated, HF's runs, then {len(runs(args))} engine runs per prompt", flush=True)
+                  f"calibrated, then {then(args)}", flush=True)
             target, draft, prompts, meta = synthetic_scenario(args, wanted)
-            report["scenarios"].append(scenario(args, target, draft, prompts, {"name": f"α {wanted}", **meta}))
+            report["scenarios"].append(measure(args, target, draft, prompts, {"name": f"α {wanted}", **meta}))
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return report
 
 
 def markdown(report: dict) -> str:
+    from evaluation.scenarios import batch_table
+
     pair = report["pair"]
     what = (f"{pair['target']} / {pair['draft']}" if "target" in pair else
             f"{pair['preset']} pair, {pair['target_params'] / 1e9:.2f}B / {pair['draft_params'] / 1e9:.2f}B")
     lines = [f"Assisted-generation breakdown ({report['machine']}, {report['date']}; {what}, fp32; "
-             f"{report['prompts']} prompts × {report['max_tokens']} tokens, batch 1, greedy)", ""]
+             f"{report['prompts']} prompts × {report['max_tokens']} tokens, "
+             f"{'batch rows' if report.get('batch') else 'batch 1'}, greedy)", ""]
     for s in report["scenarios"]:
         cal = s.get("calibration")
         lines += [(f"Agreement {cal['agreement']:.3f} (wanted {s['wanted_agreement']}, ε {cal['epsilon']:.4g}):"
-                   if cal else f"Scenario {s['name']}:"), "",
-                  "| run | tok/s | over plain | over HF assisted | α | mean γ drafted | tokens / target pass | "
+                   if cal else f"Scenario {s['name']}:"), ""]
+        if "batches" in s:
+            lines += batch_table(s["batches"]) + [""]
+            continue
+        lines += ["| run | tok/s | over plain | over HF assisted | α | mean γ drafted | tokens / target pass | "
                   "draft ms / token | c | bound S | gain / S | identical |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in s["runs"].items():

@@ -491,6 +491,25 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
     return row
 
 
+def batch_table(batches: list[dict]) -> list[str]:
+    """The markdown lines of ``batch_row``'s rows: gains over plain, each fixed γ, and outputs identical."""
+    head = ["batch", "plain tok/s*", "speculative"]
+    gammas = [int(k[5:-6]) for k in batches[0] if k.startswith("fixed") and k.endswith("_tok_s")]
+    head += [f"γ={g}" for g in gammas] + (["speculative / best fixed"] if gammas else []) + ["identical"]
+    lines = [f"Batches ({batches[0]['prompts']} prompts; gains over plain, median of {batches[0]['repeats']} "
+             "interleaved rounds; mean γ in brackets):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in batches:
+        cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}"]
+        cells.append(f"{b['gain_spec']:.2f}× ({b['mean_gamma_spec']:.2f})")
+        cells += [f"{b[f'gain_fixed{g}']:.2f}×" for g in gammas]
+        if gammas:
+            cells.append(f"**{b['spec_over_best_fixed']:.2f}** (γ={b['best_fixed_gamma']})")
+        names = [n[len("identical_"):] for n in b if n.startswith("identical_")]
+        cells.append(f"{min(b[f'identical_{n}'] for n in names)}/{b['prompts']} (each run)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     rows = report["scenarios"]
     hf = "hf_assisted_gain" in rows[0]
@@ -546,22 +565,7 @@ def markdown(report: dict) -> str:
         lines.append(f"Trees and the automatic shape: {same}/{total} outputs identical to plain greedy decoding.")
     lines.append("")
     if report.get("batches"):
-        head = ["batch", "plain tok/s*", "speculative"]
-        gammas = [int(k[5:-6]) for k in report["batches"][0] if k.startswith("fixed") and k.endswith("_tok_s")]
-        head += [f"γ={g}" for g in gammas] + (["speculative / best fixed"] if gammas else []) + ["identical"]
-        lines += [f"Batches ({report['batches'][0]['prompts']} prompts; gains over plain, median of "
-                  f"{report['batches'][0]['repeats']} interleaved rounds; mean γ in brackets):", "",
-                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for b in report["batches"]:
-            cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}"]
-            cells.append(f"{b['gain_spec']:.2f}× ({b['mean_gamma_spec']:.2f})")
-            cells += [f"{b[f'gain_fixed{g}']:.2f}×" for g in gammas]
-            if gammas:
-                cells.append(f"**{b['spec_over_best_fixed']:.2f}** (γ={b['best_fixed_gamma']})")
-            names = [n[len("identical_"):] for n in b if n.startswith("identical_")]
-            cells.append(f"{min(b[f'identical_{n}'] for n in names)}/{b['prompts']} (each run)")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += batch_table(report["batches"]) + [""]
     ngram = sum(r["ngram_identical"] for r in rows)
     fixed = (f"fixed γ {report['fixed_identical']}/{report['fixed_compared']}; " if report["fixed_compared"]
              else "")

@@ -55,3 +55,17 @@ def test_a_real_pair_of_folders_runs_by_scenario(tmp_path):
         assert "calibration" not in s
         assert s["runs"]["engine adaptive (default)"]["identical_to_plain"] == 1
     assert "Scenario code:" in (tmp_path / "assisted.md").read_text()
+
+
+def test_batch_rows_instead_of_the_breakdown(tmp_path):
+    """``--batch``: plain against the default controller and a fixed γ at each batch size, on the same pair."""
+    argv = ["--preset", "tiny", "--cache-dir", str(tmp_path / "pairs"), "--agreements", "0.9", "--prompts", "4",
+            "--max-tokens", "8", "--fixed-gammas", "2", "--batch", "1,4", "--repeats", "1", "--threads", "1",
+            "--calib-trials", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    [s] = json.loads((tmp_path / "assisted.json").read_text())["scenarios"]
+    assert "runs" not in s and [b["batch"] for b in s["batches"]] == [1, 4]
+    for b in s["batches"]:
+        assert b["prompts"] == 4 and b["identical_spec"] == 4 and b["identical_fixed2"] == 4
+        assert b["gain_spec"] > 0 and b["best_fixed_gamma"] == 2
+    assert "| 4 |" in (tmp_path / "assisted.md").read_text()
