@@ -250,6 +250,9 @@ def main() -> int:
     parser.add_argument("--structured", action="store_true",
                         help="structured outputs instead (evaluation/structured.py): JSON schema, regex and choice "
                              "prompts, unconstrained vs constrained, plain and speculative")
+    parser.add_argument("--mixed-batch", type=int, default=0,
+                        help="with --structured: also this many rows at once, half constrained, against the same "
+                             "batch unconstrained (0: not measured)")
     args = parser.parse_args()
     if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1:
         parser.error("--prompts, --max-tokens and --repeats must be ≥ 1")

@@ -22,6 +22,14 @@ share, mask milliseconds per step and the mask's share of the run's wall time. G
 speculative runs are compared with the plain run's of the same kind (they must be identical).
 
     python scripts/bench_scenarios.py --structured [--prompts 16] [--max-tokens 96] [--repeats 2] [--out DIR]
+        [--mixed-batch 16]
+
+``--mixed-batch N`` adds what constrained rows cost the unconstrained rows of their batch: N rows at once
+through the speculative engine, half of them the scenarios' prompts constrained and half other prompts
+unconstrained (``max_tokens``), against the same batch with the constrained half unconstrained and cut at its
+constrained answers' lengths, so both batches shrink alike as rows finish. The cost is one less the ratio of
+the two batches' tokens/s (median of ``--repeats`` interleaved rounds); the unconstrained rows' outputs must
+be the same in both.
 
 Writes DIR/structured.json and DIR/structured.md.
 """
@@ -32,6 +40,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -94,9 +103,9 @@ def run_structured(args) -> int:
     tok, target, draft, eos, max_len = load_pair(args)
     compiler = GrammarCompiler(map_tokenizer(tok, target.config.vocab_size))
 
-    def engine(proposer: str | None, forced: bool = True):
+    def engine(proposer: str | None, forced: bool = True, slots: int = 1):
         settings = EngineSettings(target=args.target, draft=proposer, device="cpu", dtype="float32", max_len=max_len,
-                                  max_slots=1, gamma=args.gamma, gamma_max=args.gamma_max, forced_tokens=forced)
+                                  max_slots=slots, gamma=args.gamma, gamma_max=args.gamma_max, forced_tokens=forced)
         return make_engine(settings, target_model=target, draft_model=draft, eos_token_ids=eos)
 
     engines = dict(zip(RUNS, (engine(None), engine(args.draft), engine(None), engine(args.draft),
@@ -150,6 +159,9 @@ def run_structured(args) -> int:
     report = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, CPU only, torch threads {args.threads}",
               "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "scenarios": rows}
+    if args.mixed_batch:
+        every = [(tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))) for g in groups.values() for r in g]
+        report["mixed_batch"] = mixed_batch(args, engine(args.draft, slots=args.mixed_batch), every)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
@@ -157,6 +169,39 @@ def run_structured(args) -> int:
     print(table)
     print(f"\nwrote {args.out / 'structured.json'}, {args.out / 'structured.md'}")
     return 0
+
+
+def mixed_batch(args, eng, prompts: list[tuple]) -> dict:
+    """``--mixed-batch``: what constrained rows cost the unconstrained rows beside them (see the module docstring).
+    ``prompts``: (ids, grammar) of every scenario's prompts, cycled through for the constrained half; the
+    unconstrained half takes the prompts after them."""
+    from engine.engine import Request
+    from tqdm import tqdm
+
+    from evaluation.scenarios import interleaved
+
+    n = args.mixed_batch
+    half = [prompts[i % len(prompts)] for i in range(n // 2)]
+    free = [Request(tuple(prompts[(n // 2 + i) % len(prompts)][0]), max_tokens=args.max_tokens)
+            for i in range(n - n // 2)]
+    beside = [Request(tuple(ids), max_tokens=args.max_tokens, grammar=grammar) for ids, grammar in half] + free
+    warm = eng.generate(beside)
+    lengths = [len(o.tokens) for o in warm[: len(half)]]
+    alone = [Request(tuple(ids), max_tokens=m) for (ids, _), m in zip(half, lengths)] + free
+    runs = {name: (lambda _, batch=batch: [o.tokens for o in eng.generate(batch)])
+            for name, batch in (("alone", alone), ("beside constrained rows", beside))}
+    rounds: dict = {}
+    outputs, _ = interleaved(runs, [None], args.repeats, tqdm(desc=f"mixed batch {n}", file=sys.stderr, leave=False),
+                             rounds)
+    tokens = sum(map(len, outputs["alone"][0]))
+    ratio = statistics.median(a / b for a, b in zip(rounds["alone"], rounds["beside constrained rows"]))
+    return {"batch": n, "constrained_rows": len(half), "tokens": tokens,
+            "tok_s_alone": tokens / min(rounds["alone"]),
+            "tok_s_beside": sum(map(len, outputs["beside constrained rows"][0])) / min(rounds["beside constrained rows"]),
+            "cost": 1 - ratio,
+            "unconstrained_identical": sum(a == b for a, b in zip(outputs["alone"][0][len(half):],
+                                                                   outputs["beside constrained rows"][0][len(half):])),
+            "unconstrained_rows": len(free)}
 
 
 def markdown(report: dict) -> str:
@@ -176,6 +221,12 @@ def markdown(report: dict) -> str:
               f"{r['constrained_over_unconstrained_plain']:.2f}×, constrained spec / constrained plain "
               f"{r['spec_over_plain_constrained']:.2f}×, forced tokens gain {r['forced_gain']:.2f}×"
               for r in report["scenarios"]]
+    if report.get("mixed_batch"):
+        m = report["mixed_batch"]
+        lines.append(f"batch {m['batch']}, {m['constrained_rows']} rows constrained: the batch's tokens/s "
+                     f"{m['tok_s_beside']:.1f} against {m['tok_s_alone']:.1f} with those rows unconstrained; cost to "
+                     f"the unconstrained rows {m['cost']:.1%} (median of {report['repeats']} rounds); their outputs "
+                     f"identical {m['unconstrained_identical']}/{m['unconstrained_rows']}")
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}; batch 1, max_tokens "
                  f"{report['max_tokens']} (unconstrained runs: the constrained answer's length), fastest of "
                  f"{report['repeats']} repeats.")

@@ -1,8 +1,8 @@
 """scripts/bench_scenarios.py --structured end to end on the embedded default pair, small: one prompt per
 scenario. Checks what the report must hold, not how fast anything was (figures: docs/results.md): the five
 runs per scenario with their columns, every constrained output valid, the speculative ones identical to the
-plain decoding of their kind, the unconstrained runs cut at the constrained answer's length, and the two
-output files."""
+plain decoding of their kind, the unconstrained runs cut at the constrained answer's length, the mixed batch,
+and the two output files."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(300),
 
 def test_small_structured_run_writes_a_complete_report(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scenarios.py"), "--structured", "--threads",
-                           "1", "--prompts", "1", "--max-tokens", "64", "--out", str(tmp_path)],
+                           "1", "--prompts", "1", "--max-tokens", "64", "--mixed-batch", "4", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "structured.json").read_text())
@@ -41,4 +41,7 @@ def test_small_structured_run_writes_a_complete_report(tmp_path):
         assert row["runs"]["unconstrained plain"]["tokens"] <= row["runs"]["constrained plain"]["tokens"]
         assert row["runs"]["constrained spec"]["forced_share"] > 0
         assert row["runs"]["constrained spec, no forced"]["forced_share"] == 0
+    mixed = report["mixed_batch"]
+    assert mixed["batch"] == 4 and mixed["constrained_rows"] == 2 and mixed["tokens"] > 0
+    assert mixed["unconstrained_identical"] == mixed["unconstrained_rows"] == 2 and -1 < mixed["cost"] < 1
     assert "constrained plain / unconstrained plain" in (tmp_path / "structured.md").read_text()
