@@ -30,7 +30,12 @@ reports what the policy actually picks. When even the best γ would not beat pla
 γ = 0 turns speculation off for the batch, and probes (every row drafts one token, in the same step)
 check whether it pays again: after 2, 4, 8, … plain steps of the bucket (at most ``probe_every``). A
 probe that measured a clearly cheaper step than the model believed is repeated at once, so a cost that
-really came down is taken up within a few steps.
+really came down is taken up within a few steps. A probe also pays for the draft to catch up on every
+token its rows decoded plainly since they last drafted; where that makes a probe cost several plain steps
+(a large draft at a large batch), the next probe waits until the probe's extra seconds are ``probe_share``
+of the plain steps between the two (at most ``probe_max`` steps). While off, a width not measured (or aged
+out during the plain spell) is not tried on the model's word: only a probe's measurement turns speculation
+back on.
 
 The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
 step, Y(w), over the width's last few steps). Where the γ the model picks was measured (fresh samples of its
@@ -67,6 +72,7 @@ request's sample must not depend on timing. Fixed γ drafts the ``tree_nodes`` t
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -254,6 +260,11 @@ class GammaPolicy:
     decay: float = 0.9  # exponential forgetting so α follows the text (JSON keys vs values, say)
     probe_first: int = 2  # steps off before the first probe; the interval doubles up to probe_every
     probe_every: int = 16
+    # A probe's draft first catches up on every token its rows decoded plainly, which after a plain spell can cost
+    # several plain steps (a large draft, a large batch): probes are then spaced so they take about this share
+    # of the bucket's time
+    probe_share: float = 0.02
+    probe_max: int = 512  # the most plain steps between two probes, however costly they are
     refresh_every: int = 64  # speculative steps of a bucket between two plain steps that re-measure T(1)
     promising: float = 0.5  # a probe step this much cheaper than predicted is repeated at once
     margin: float = 0.03  # a chain measured this much slower than a plain step (relative) does not pay
@@ -348,10 +359,12 @@ class GammaPolicy:
         if bucket.measure_plain:
             return 0
         best = max(range(max(1, self.gamma_min), self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
-        bucket.off = False
+        was_off, bucket.off = bucket.off, False
         if self._speedup(alphas, best) >= 1.0:
             measured = self._measured_chains(bucket)
-            if best not in measured or measured[best] >= 1.0 - self.margin:
+            # A width not measured (or aged out in a plain spell) is tried while speculating; while off, only
+            # what a probe measured turns speculation on again, so probes stay as rare as they are spaced.
+            if measured.get(best, 1.0) >= 1.0 - self.margin and (best in measured or not was_off):
                 return best
             paying = [g for g, r in measured.items() if r >= 1.0 - self.margin]
             if paying:
@@ -397,7 +410,9 @@ class GammaPolicy:
             if bucket.probe_due:
                 predicted = bucket.step_seconds(drafted)
                 cheaper = predicted is not None and seconds < self.promising * predicted
-                bucket.next_probe = 1 if cheaper else min(2 * bucket.next_probe, self.probe_every)
+                plain = bucket.seconds.level(1)
+                spaced = min(math.ceil((seconds - plain) / (self.probe_share * plain)), self.probe_max) if plain else 0
+                bucket.next_probe = 1 if cheaper else max(min(2 * bucket.next_probe, self.probe_every), spaced)
             elif not bucket.off:  # not a second probe decided before the first was observed (micro-batches)
                 bucket.next_probe = self.probe_first
             bucket.plain_run = 0

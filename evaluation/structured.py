@@ -193,14 +193,13 @@ def mixed_batch(args, eng, prompts: list[tuple]) -> dict:
     rounds: dict = {}
     outputs, _ = interleaved(runs, [None], args.repeats, tqdm(desc=f"mixed batch {n}", file=sys.stderr, leave=False),
                              rounds)
-    tokens = sum(map(len, outputs["alone"][0]))
+    alone_out, beside_out = outputs["alone"][0], outputs["beside constrained rows"][0]
     ratio = statistics.median(a / b for a, b in zip(rounds["alone"], rounds["beside constrained rows"]))
-    return {"batch": n, "constrained_rows": len(half), "tokens": tokens,
-            "tok_s_alone": tokens / min(rounds["alone"]),
-            "tok_s_beside": sum(map(len, outputs["beside constrained rows"][0])) / min(rounds["beside constrained rows"]),
+    return {"batch": n, "constrained_rows": len(half), "tokens": sum(map(len, alone_out)),
+            "tok_s_alone": sum(map(len, alone_out)) / min(rounds["alone"]),
+            "tok_s_beside": sum(map(len, beside_out)) / min(rounds["beside constrained rows"]),
             "cost": 1 - ratio,
-            "unconstrained_identical": sum(a == b for a, b in zip(outputs["alone"][0][len(half):],
-                                                                   outputs["beside constrained rows"][0][len(half):])),
+            "unconstrained_identical": sum(a == b for a, b in zip(alone_out[len(half):], beside_out[len(half):])),
             "unconstrained_rows": len(free)}
 
 

@@ -96,16 +96,16 @@ def drive(policy: GammaPolicy, steps: int, *, rows: int = 1, accept=None, cost=N
 
 
 def test_speculation_turns_off_when_it_cannot_pay_and_probes():
-    policy = GammaPolicy(adaptive=True, cost_ratio=0.5, probe_every=4)
+    policy = GammaPolicy(adaptive=True, cost_ratio=0.5, probe_every=4, probe_share=0.5)
     state = _state_with_alpha(0.1)
     a = state.alpha(policy.prior_alpha, policy.prior_weight)
     assert max(leviathan(a, g, 0.5) for g in range(1, 9)) < 1  # S < 1 for every γ
     chosen = drive(policy, 22, states=[state], cost=lambda i, d: (0.5 * d, 1.0))
     # off; the first probe after probe_first = 2 plain steps, then the interval doubles up to probe_every
     assert chosen == [0, 0, 1] + [0, 0, 0, 0, 1] * 3 + [0, 0, 0, 0]
-    # when α recovers, speculation comes back at once
+    # when α recovers, the probe that is due drafts; only what probes measure turns speculation back on
     state.accepted, state.rejections = 900.0, 100.0
-    assert policy.decide([state]).gamma > 1
+    assert policy.decide([state]).gamma == 1
     # allow_off=False keeps drafting at γ_min
     assert GammaPolicy(adaptive=True, cost_ratio=0.5, allow_off=False).decide([_state_with_alpha(0.1)]).gamma == 1
 
@@ -245,7 +245,7 @@ def test_a_single_cost_spike_does_not_switch_speculation_off(factor, at):
 
 
 def test_sustained_high_cost_switches_speculation_off_and_probing_brings_it_back():
-    policy = GammaPolicy(adaptive=True, probe_every=16)
+    policy = GammaPolicy(adaptive=True, probe_every=16, probe_share=1.0)  # probes spaced by probe_every alone
     normal = lambda i, d: (0.37 * d, 1.0)  # noqa: E731
     cost = lambda i, d: (3.7 * d, 1.0) if 30 <= i < 90 else normal(i, d)  # noqa: E731
     gammas = drive(policy, 130, accept=ALPHA_096, cost=cost)
@@ -254,6 +254,29 @@ def test_sustained_high_cost_switches_speculation_off_and_probing_brings_it_back
     assert sum(g > 0 for g in gammas[off_from:90]) <= 6  # probes only, with a doubling interval
     on_again = next(i for i in range(90, 130) if gammas[i] > 1)
     assert on_again - 90 <= policy.probe_every + 2 * policy.costs.min_samples  # next probe, then quick ones
+
+
+def test_probes_that_must_catch_the_draft_up_are_spaced_to_a_share_of_the_time():
+    """A probe's draft first processes every token its rows decoded plainly (here 8 rows, each token 5 % of a
+    plain step): after a plain spell a probe costs several plain steps. Probing every ``probe_every`` steps
+    would cost ~40 % of plain decoding's time; spaced by ``probe_share`` it costs a few per cent."""
+    def trace(policy, steps=3000):
+        last_draft, extra = 0, 0.0
+        def cost(i, d):
+            nonlocal last_draft, extra
+            if not d:
+                return 0.0, 1.0
+            # rows live 40 steps: a probe catches up on at most 40 tokens of each
+            catch_up, last_draft = 8 * 0.05 * min(i - last_draft, 40), i
+            if i >= 200:
+                extra += catch_up + 0.5 + 1.5 * d
+            return catch_up + 0.5, 1.0 + 1.5 * d  # a verify of width 2 costs 2.5 plain steps: never pays
+        gammas = drive(policy, steps, rows=8, accept=lambda i, g: g, cost=cost)
+        return gammas, extra / (steps - 200)  # the probes' extra seconds over plain decoding's
+
+    gammas, share = trace(GammaPolicy(adaptive=True))
+    _, share_every = trace(GammaPolicy(adaptive=True, probe_share=1e9))  # every probe_every steps
+    assert set(gammas[200:]) == {0, 1} and share_every > 0.3 and share < 0.05
 
 
 def test_verify_width_cost_is_priced_per_batch_size():

@@ -112,7 +112,7 @@ def test_greedy_outputs_are_hf_with_paging_and_the_prefix_cache(case, target, no
     """Two rounds over prompts sharing a 21-token prefix: the second round starts from cached blocks."""
     prompts, refs = shared_prompts
     kw = {"chain": {}, "chain-no-cache": {"kv": {"block_size": 4, "prefix_cache": False}},
-          "tree": {"tree_nodes": 16, "adaptive": True}, "micro-batches": {"micro_batches": 2},
+          "tree": {"tree_nodes": 16}, "micro-batches": {"micro_batches": 2},
           "ngram": {}}[case]
     kw.setdefault("kv", {"block_size": 4})
     engine = make_engine(target, "ngram" if case == "ngram" else noisy_draft, gamma=4, **kw)
