@@ -19,7 +19,8 @@ How much to speculate is the γ policy's one decision (``GammaPolicy.decide``, `
 micro-batch, γ (0: a plain step) and the token tree's node budget, from the step costs and yields it is fed
 after every decode step. A caller-seeded sampled row keeps the fixed γ, so its sample never depends on timing,
 and a row the draft lost (a replica that never held it, or one that did not answer) is drafted once more, with
-its whole history, before it is verified: verified without its drafts, its sample would change from there on.
+its whole history, before it is verified (and waits for the group's next turn if that fails too): verified
+without its drafts, its sample would change from there on.
 
 Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher, advanced here on committed
 tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
@@ -272,6 +273,16 @@ class Engine:
             pending = self._submit_propose(k, batch)
             proposal = pending[0].result().select([s.seq_id for s in batch])
             self.seeded_redrafts += 1
+            # Lost again (the draft failed twice): such a row waits for the group's next turn rather than be
+            # verified without drafts, up to max_failures turns in a row (then its sample may change).
+            again = {s.seq_id for s in lost if s.seq_id in proposal.resync and s.failures < self.max_failures}
+            if again:
+                for s in lost:
+                    s.failures += s.seq_id in again
+                batch = [s for s in batch if s.seq_id not in again]
+                if not batch:
+                    return events
+                proposal = proposal.select([s.seq_id for s in batch])
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch, proposal), proposal, k)

@@ -16,7 +16,7 @@ from draftpool.draft_model import DraftModelProposer
 from tests.unit.helpers import MAX_NEW, P_MIN, chi2_pvalue, make_engine, make_prompts
 from engine.engine import Request
 from runtime.models import tiny_llama
-from runtime.protocol import SamplingParams
+from runtime.protocol import ProposalBatch, SamplingParams
 from runtime.sampling import sampling_tensors, warp_probs
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,4 +160,36 @@ def test_seeded_sample_survives_a_draft_that_lost_the_sequence(target, noisy_dra
             engine.stages.proposer.release([seq_id])  # the draft forgets it between steps
             losses += 1
     assert losses == 3 and engine.seeded_redrafts == 3
+    assert engine.output(seq_id).tokens == reference
+
+
+def test_seeded_sample_waits_for_a_draft_that_lost_the_sequence_twice(target, noisy_draft, prompts):
+    """The draft loses the sequence and then the redraft too: the seeded row waits for its group's next turn
+    instead of being verified without drafts, so its sample is still the one it would have been."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=4321)
+    request = Request(prompts[3], max_tokens=MAX_NEW, sampling=params)
+    reference = make_engine(target, noisy_draft, gamma=3).generate([request])[0].tokens
+    engine = make_engine(target, noisy_draft, gamma=3)
+    proposer, forget = engine.stages.proposer, []
+
+    class Forgetful:
+        def propose(self, items):
+            if forget:  # a draft replica that answers resync (it never held the row, or the call failed)
+                forget.pop()
+                ids = [it.sync.seq_id for it in items]
+                return ProposalBatch.empty(ids, ids)
+            return proposer.propose(items)
+
+        def release(self, seq_ids):
+            proposer.release(seq_ids)
+
+    engine.stages.proposer = Forgetful()
+    seq_id = engine.add(request)
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == 3:
+            forget.extend([1, 1])  # the next propose and its redraft both lose the sequence
+    assert not forget and engine.seeded_redrafts >= 1
     assert engine.output(seq_id).tokens == reference
