@@ -124,12 +124,13 @@ def run_structured(args) -> int:
 
     runs = {name: runner(name) for name in RUNS}
     groups = load_rows(args.prompts_file or PROMPTS, args.prompts)
-    rows = []
+    rows, every = [], []  # every: each scenario's (ids, grammar), for --mixed-batch
     for scenario, prompt_rows in groups.items():
         inputs = []
         for r in prompt_rows:
             ids, grammar = tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))
             inputs.append((ids, grammar, len(runs["constrained plain"]((ids, grammar, args.max_tokens)))))
+            every.append((ids, grammar))
         for run_one in runs.values():
             run_one(inputs[0])  # warm-up: first-call costs, the γ policy's first steps
         for eng in engines.values():
@@ -160,7 +161,6 @@ def run_structured(args) -> int:
               "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "scenarios": rows}
     if args.mixed_batch:
-        every = [(tok(r["prompt"])["input_ids"], compiler.compile(grammar_spec(r))) for g in groups.values() for r in g]
         report["mixed_batch"] = mixed_batch(args, engine(args.draft, slots=args.mixed_batch), every)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured.json").write_text(json.dumps(report, indent=2))
