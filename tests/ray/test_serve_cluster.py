@@ -186,9 +186,11 @@ def test_killing_a_draft_replica_loses_no_request(router, prompts, references, l
         victim = (await pool.options(multiplexed_model_id=f"{info['shard_prefix']}-0").stats.remote())["actor_name"]
         victim = ray.get_actor(victim, namespace="serve")
         task = asyncio.ensure_future(_run_mixed(router, prompts[:KILL_PROMPTS], KILL_TOKENS))
-        # The batch is under way. Kill early: with the draft equal to the target every step emits γ + 1
-        # tokens, so a micro-batch is done drafting after ~KILL_TOKENS / 5 steps.
-        while (await router.info.remote())["stats"]["steps"] < info["stats"]["steps"] + 1:
+        # Kill once every row has been drafted (a prefill-only step calls no drafter, so until then the
+        # victim may hold nothing to lose), and early: with the draft equal to the target every step emits
+        # γ + 1 tokens, so a micro-batch is done drafting after ~KILL_TOKENS / 5 steps.
+        drafted = info["stats"]["proposed"] + ARGS["speculation"]["gamma"] * len(prompts[:KILL_PROMPTS])
+        while (await router.info.remote())["stats"]["proposed"] < drafted:
             await asyncio.sleep(0.005)
         ray.kill(victim, no_restart=True)
         return await task
