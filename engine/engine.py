@@ -69,6 +69,7 @@ class Sequence:
     num_prompt: int
     micro_batch: int = 0
     proposer_base: int = 0  # committed tokens the proposer holds
+    draft_lag: int = 0  # committed tokens the proposer took in when last asked to draft (the γ policy's entry cost)
     verifier_base: int = 0  # committed tokens the verifier holds
     gamma_state: GammaState = field(default_factory=GammaState)
     stats: SpecStats = field(default_factory=SpecStats)
@@ -283,6 +284,7 @@ class Engine:
                 if not batch:
                     return events
                 proposal = proposal.select([s.seq_id for s in batch])
+        self.policy.observe_catch_up(len(batch), sum(s.draft_lag for s in batch), proposal.draft_seconds)
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch, proposal), proposal, k)
@@ -297,7 +299,8 @@ class Engine:
             # With several micro-batches the wall time includes drafting the following one (every step pays
             # one drafting, so the accounting balances in steady state).
             seconds = time.perf_counter() - step_start
-            self.policy.observe_step(len(batch), model_drafts(proposal, pending[0]), seconds)
+            self.policy.observe_step(len(batch), model_drafts(proposal, pending[0]), seconds,
+                                     caught_up=sum(s.draft_lag for s in batch))
         events.extend(committed)
         return events
 
@@ -327,7 +330,7 @@ class Engine:
             pending = Done(ProposalBatch.empty(ids))
             return (WithForced(pending, forced) if forced else pending), ids
         for seq in batch:
-            seq.proposer_base = len(seq.tokens)
+            seq.draft_lag, seq.proposer_base = len(seq.tokens) - seq.proposer_base, len(seq.tokens)
         # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
         if self.draft_num == 1 or any(it.matcher for it in items):
             pending = self.stages.submit_propose(items, shard)
@@ -346,7 +349,9 @@ class Engine:
         if not self.speculate:
             return Shape(0)
         return self.policy.decide([seq.gamma_state for seq in batch],
-                                  sampled=any(not seq.request.sampling.greedy for seq in batch))
+                                  sampled=any(not seq.request.sampling.greedy for seq in batch),
+                                  behind=[len(seq.tokens) - seq.proposer_base for seq in batch],
+                                  remaining=[seq.request.max_tokens - len(seq.generated) for seq in batch])
 
     def _room(self, seq: Sequence, gamma: int) -> int:
         """γ for one row: drafting past max_tokens is wasted (the step emits up to γ + 1 tokens)."""

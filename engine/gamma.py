@@ -22,7 +22,7 @@ Before a bucket has measured a plain and a speculative step, the policy falls ba
 formula with the prior ``cost_ratio``.
 
 Per sequence the policy keeps a smoothed α (accepted / (accepted + rejections), with a prior so a fresh
-sequence starts at a moderate γ). One γ serves a whole micro-batch: its verify is as wide as its longest
+sequence starts at a moderate γ: the recent α of every row together, ``prior_alpha`` before any was seen). One γ serves a whole micro-batch: its verify is as wide as its longest
 chain, so every row pays for the widest, and what one row gains the batch pays for. The policy picks the
 γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
 batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
@@ -33,7 +33,10 @@ probe that measured a clearly cheaper step than the model believed is repeated a
 really came down is taken up within a few steps. A probe also pays for the draft to catch up on every
 token its rows decoded plainly since they last drafted; where that makes a probe cost several plain steps
 (a large draft at a large batch), the next probe waits until the probe's extra seconds are ``probe_share``
-of the plain steps between the two (at most ``probe_max`` steps). While off, a width not measured (or aged
+of the plain steps between the two (at most ``probe_max`` steps). The catch-up prices the probe, not its
+width: a step whose draft first caught up on more than a step's tokens is no sample of the width's cost,
+and a probe goes on until its width is measured (``min_samples`` fresh samples, which a width aged out in
+the plain spell needs all of; at most ``min_samples`` + 1 steps). While off, a width not measured (or aged
 out during the plain spell) is not tried on the model's word: only a probe's measurement turns speculation
 back on.
 
@@ -168,9 +171,18 @@ class BucketCosts:
     since_plain: int = 0  # decode steps since the last plain one
     plain_run: int = 0  # consecutive plain steps (0: the last step speculated)
     next_probe: int = 2  # plain_run (≥ 1) at which the bucket's batch probes
+    probing: bool = False  # a probe is under way: decided while off, not done measuring
+    probe_steps: int = 0  # its drafted steps so far
+    probe_extra: float = 0.0  # its seconds beyond a plain step's, so far
     measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
     off: bool = False  # the last decision found no chain that pays: plain steps and probes
     yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
+    # an entry's draft seconds per token the draft caught up on (``GammaPolicy.observe_catch_up``)
+    catch_up: deque = field(default_factory=lambda: deque(maxlen=5))
+
+    def catch_up_seconds(self) -> float | None:
+        """The draft's seconds per caught-up token: the median of the last entries (None: none measured)."""
+        return statistics.median(self.catch_up) if self.catch_up else None
 
     def tokens_per_row(self, width: int, min_samples: int, max_age: int) -> float | None:
         """Mean tokens a row emitted per step at this verify width, over its fresh samples."""
@@ -255,9 +267,12 @@ class GammaPolicy:
     gamma_max: int = 8
     adaptive: bool = False
     allow_off: bool = True  # adaptive only: γ = 0 when speculation cannot pay
-    prior_alpha: float = 0.6
+    prior_alpha: float = 0.6  # a fresh sequence's α until the policy has observed any
     prior_weight: float = 4.0
     decay: float = 0.9  # exponential forgetting so α follows the text (JSON keys vs values, say)
+    # forgetting of the acceptance of every row together, per row step: a fresh sequence's prior α, so rows of a
+    # workload whose draft agrees well do not each start at a guess that turns speculation off at a large batch
+    recent_decay: float = 0.98
     probe_first: int = 2  # steps off before the first probe; the interval doubles up to probe_every
     probe_every: int = 16
     # A probe's draft first catches up on every token its rows decoded plainly, which after a plain spell can cost
@@ -271,6 +286,7 @@ class GammaPolicy:
     cost_ratio: float = 0.1  # prior c, used until the cost model has measured a bucket
     tree_nodes: int = 0  # the largest token tree (0: chains only)
     costs: CostModel = field(default_factory=CostModel)
+    _recent: GammaState = field(default_factory=GammaState, repr=False)  # every row's acceptance, recent
     # tokens emitted per row (accepted + 1) by ``observe``, attributed to the step's width by ``observe_step``
     _emitted: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
@@ -293,10 +309,13 @@ class GammaPolicy:
             n *= 2
         return sizes + [self.tree_nodes] if self.tree_nodes else []
 
-    def decide(self, states: Sequence[GammaState], sampled: bool = False) -> Shape:
+    def decide(self, states: Sequence[GammaState], sampled: bool = False, behind: Sequence[int] = (),
+               remaining: Sequence[int] = ()) -> Shape:
         """The next step of a micro-batch whose sequences hold ``states`` (at least one): γ per row (0: a plain
-        step) and the node budget of its token tree (0: a chain). ``sampled``: a row of it samples."""
-        gamma = self._chain(states)
+        step) and the node budget of its token tree (0: a chain). ``sampled``: a row of it samples; per row,
+        ``behind``: committed tokens the draft has not taken in, ``remaining``: the most tokens it may still
+        emit (empty: not known, and no entry cost is weighed)."""
+        gamma = self._chain(states, behind, remaining)
         return Shape(gamma, self._tree(len(states), gamma, sampled))
 
     def _tree(self, rows: int, gamma: int, sampled: bool) -> int:
@@ -348,12 +367,13 @@ class GammaPolicy:
             return sum(expected_speedup(a, gamma, self.cost_ratio) for a in alphas) / len(alphas)
         return sum(expected_tokens_per_step(a, gamma) for a in alphas) / len(alphas) / cost
 
-    def _chain(self, states: Sequence[GammaState]) -> int:
-        """γ for the next step of a micro-batch whose sequences hold ``states``."""
+    def _chain(self, states: Sequence[GammaState], behind: Sequence[int] = (), remaining: Sequence[int] = ()) -> int:
+        """γ for the next step of a micro-batch whose sequences hold ``states`` (``decide``'s arguments)."""
         if not self.adaptive:
             return self.gamma
         bucket = self.costs.bucket(len(states))
-        alphas = [st.alpha(self.prior_alpha, self.prior_weight) for st in states]
+        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
+        alphas = [st.alpha(prior, self.prior_weight) for st in states]
         if not self.allow_off:
             return max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
         if bucket.measure_plain:
@@ -364,13 +384,36 @@ class GammaPolicy:
             measured = self._measured_chains(bucket)
             # A width not measured (or aged out in a plain spell) is tried while speculating; while off, only
             # what a probe measured turns speculation on again, so probes stay as rare as they are spaced.
+            gamma = 0
             if measured.get(best, 1.0) >= 1.0 - self.margin and (best in measured or not was_off):
-                return best
-            paying = [g for g, r in measured.items() if r >= 1.0 - self.margin]
-            if paying:
-                return max(paying, key=measured.get)
+                gamma = best
+            elif paying := [g for g, r in measured.items() if r >= 1.0 - self.margin]:
+                gamma = max(paying, key=measured.get)
+            if gamma:
+                speedup = measured.get(gamma) or self._speedup(alphas, gamma)
+                return gamma if self._repays_entry(bucket, speedup, behind, remaining) else 0
         bucket.off = True
-        return max(1, self.gamma_min) if bucket.probe_due else 0
+        bucket.probing = bucket.probe_due
+        return max(1, self.gamma_min) if bucket.probing else 0
+
+    def _entry(self, rows: int, caught_up: int) -> bool:
+        """Whether a draft taking in ``caught_up`` tokens of ``rows`` rows at once is entering (rows back from a
+        plain spell, new to it, resynced) rather than keeping up: more than a step emits and a plain one."""
+        return caught_up > rows * (self.gamma_max + 2)
+
+    def _repays_entry(self, bucket: BucketCosts, speedup: float, behind: Sequence[int],
+                      remaining: Sequence[int]) -> bool:
+        """Whether speculating at ``speedup`` over the rows' remaining tokens saves more than the draft costs to
+        catch up on what it is ``behind``, at the bucket's measured seconds per caught-up token. A short answer
+        after a long prompt may not repay the draft's prefill (a large draft on a compute-bound device)."""
+        lag = sum(behind)
+        if not remaining or not self._entry(len(behind), lag):
+            return True
+        per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
+        if per_token is None or plain is None:  # nothing measured yet: the first entry measures it
+            return True
+        saved = plain * statistics.mean(remaining) * (1.0 - 1.0 / speedup)
+        return saved > per_token * lag
 
     def _measured_chains(self, bucket: BucketCosts) -> dict[int, float]:
         """γ → measured tokens per second of its chain steps over a plain step's, for the fresh widths."""
@@ -385,16 +428,19 @@ class GammaPolicy:
         self._emitted.append(accepted + 1)
         if proposed == 0 or self._ladder_tree(nodes):  # a tree's accepted depth is not the chain's α
             return
-        state.accepted = state.accepted * self.decay + accepted
-        state.rejections = state.rejections * self.decay + (1 if accepted < proposed else 0)
-        # The prior decays like old evidence. Kept at full weight, it would outweigh the at most
-        # 1 / (1 − decay) rejections the decayed counts can hold: with the defaults α could never fall
-        # below ~0.17, so a draft that never agrees would keep γ ≥ 1 whenever c < 0.17.
-        state.prior *= self.decay
+        for st, decay in ((state, self.decay), (self._recent, self.recent_decay)):
+            st.accepted = st.accepted * decay + accepted
+            st.rejections = st.rejections * decay + (1 if accepted < proposed else 0)
+            # The prior decays like old evidence. Kept at full weight, it would outweigh the at most
+            # 1 / (1 − decay) rejections the decayed counts can hold: with the defaults α could never fall
+            # below ~0.17, so a draft that never agrees would keep γ ≥ 1 whenever c < 0.17.
+            st.prior *= decay
 
-    def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
+    def observe_step(self, rows: int, drafted: int, seconds: float, caught_up: int = 0) -> None:
         """Feed one decode step's wall time (not a step that prefilled a prompt: that is not what a decode
-        step costs). ``drafted``: the most draft tokens of any row (the verify width − 1)."""
+        step costs). ``drafted``: the most draft tokens of any row (the verify width − 1); ``caught_up``: the
+        committed tokens of all rows together that the draft took in before drafting (those decoded since it
+        last drafted)."""
         bucket = self.costs.bucket(rows)
         bucket.steps += 1
         if len(self._emitted) >= rows:  # the step's rows were observed last
@@ -402,27 +448,54 @@ class GammaPolicy:
             bucket.yields.setdefault(drafted + 1, deque(maxlen=self.costs.window)).append(
                 (bucket.steps, sum(recent) / rows))
         self._emitted.clear()
+        # A draft more than a step behind first catches up: an entry cost, paid once per spell, that must not
+        # price the steps that follow it (``observe_catch_up`` prices the entry).
+        entry = drafted > 0 and self._entry(rows, caught_up)
+        probe = drafted > 0 and bucket.probing
+        predicted = bucket.step_seconds(drafted) if probe else None  # before this step moves it
+        if seconds > 0 and not entry:
+            self.costs.record(rows, drafted, seconds, tree=self._ladder_tree(drafted))
         if drafted == 0:
             bucket.since_plain = 0
             bucket.plain_run += 1
         else:
             bucket.since_plain += 1
-            if bucket.probe_due:
-                predicted = bucket.step_seconds(drafted)
-                cheaper = predicted is not None and seconds < self.promising * predicted
-                plain = bucket.seconds.level(1)
-                spaced = min(math.ceil((seconds - plain) / (self.probe_share * plain)), self.probe_max) if plain else 0
-                bucket.next_probe = 1 if cheaper else max(min(2 * bucket.next_probe, self.probe_every), spaced)
-            elif not bucket.off:  # not a second probe decided before the first was observed (micro-batches)
-                bucket.next_probe = self.probe_first
-            bucket.plain_run = 0
-        if seconds > 0:
-            self.costs.record(rows, drafted, seconds, tree=self._ladder_tree(drafted))
+            if probe:
+                self._probe_step(bucket, drafted, seconds, entry, predicted)
+            else:
+                if not bucket.off:  # not a second probe decided before the first was observed (micro-batches)
+                    bucket.next_probe = self.probe_first
+                bucket.plain_run = 0
         # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
         # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``.
         widths = bucket.seconds.levels()
         bucket.measure_plain = any(w > 1 for w in widths) and (1 not in widths
                                                                or bucket.since_plain >= self.refresh_every)
+
+    def observe_catch_up(self, rows: int, caught_up: int, draft_seconds: float) -> None:
+        """A draft call for ``rows`` rows that took in ``caught_up`` committed tokens before drafting, in
+        ``draft_seconds`` (its drafting included, a small share when it enters): an entry's seconds per token,
+        at the bucket. Prefill steps count: a new row's draft prefill is an entry too."""
+        if draft_seconds > 0 and self._entry(rows, caught_up):
+            self.costs.bucket(rows).catch_up.append(draft_seconds / caught_up)
+
+    def _probe_step(self, bucket: BucketCosts, drafted: int, seconds: float, entry: bool,
+                    predicted: float | None) -> None:
+        """One drafted step of a probe. The probe goes on until it has measured its width (an entry step does
+        not count; a width whose samples aged out in the plain spell needs ``min_samples`` of them), for at
+        most ``min_samples`` + 1 steps; then the next one is scheduled, spaced by what this one cost, or at
+        once if it measured a step clearly cheaper than ``predicted``."""
+        plain = bucket.seconds.level(1)
+        bucket.probe_steps += 1
+        bucket.probe_extra += seconds - plain if plain else 0.0
+        measured = not entry and bucket.seconds.level(drafted + 1) is not None
+        if not measured and bucket.probe_steps <= self.costs.min_samples:
+            return
+        cheaper = not entry and predicted is not None and seconds < self.promising * predicted
+        spaced = min(math.ceil(bucket.probe_extra / (self.probe_share * plain)), self.probe_max) if plain else 0
+        bucket.next_probe = 1 if cheaper else max(min(2 * bucket.next_probe, self.probe_every), spaced)
+        bucket.plain_run = bucket.probe_steps = 0
+        bucket.probe_extra, bucket.probing = 0.0, False
 
     def as_dict(self) -> dict:
         """Per batch bucket: the measured plain step, and each measured chain's speed over it (router stats)."""

@@ -184,8 +184,8 @@ def test_the_gamma_policy_prices_model_drafts_not_forced_runs():
     engine = make_engine(target, draft_model, gamma=2, max_len=256)
     seen, widths = [], []
     observe_step, verify = engine.policy.observe_step, engine.stages.submit_verify
-    engine.policy.observe_step = lambda rows, drafted, seconds: (seen.append(drafted),
-                                                                 observe_step(rows, drafted, seconds))
+    engine.policy.observe_step = lambda rows, drafted, seconds, **kw: (seen.append(drafted),
+                                                                       observe_step(rows, drafted, seconds, **kw))
     engine.stages.submit_verify = lambda items, proposal, shard: (widths.append(int(proposal.lengths.max())),
                                                                   verify(items, proposal, shard))[1]
     out = engine.generate(requests(MIX[:1]))[0]
