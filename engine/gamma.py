@@ -38,7 +38,10 @@ width: a step whose draft first caught up on more than a step's tokens is no sam
 and a probe goes on until its width is measured (``min_samples`` fresh samples, which a width aged out in
 the plain spell needs all of; at most ``min_samples`` + 1 steps). While off, a width not measured (or aged
 out during the plain spell) is not tried on the model's word: only a probe's measurement turns speculation
-back on.
+back on. Entries are priced on their own: the draft's seconds per caught-up token (``observe_catch_up``,
+prefills included). Where a step's rows would first have to be caught up (new rows, a plain spell), the
+batch speculates only if the expected saving over the rows' remaining tokens exceeds that price times the
+tokens they are behind (``decide``'s ``behind`` and ``remaining``).
 
 The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
 step, Y(w), over the width's last few steps). Where the γ the model picks was measured (fresh samples of its
