@@ -41,7 +41,8 @@ out during the plain spell) is not tried on the model's word: only a probe's mea
 back on. Entries are priced on their own: the draft's seconds per caught-up token (``observe_catch_up``,
 prefills included). Where a step's rows would first have to be caught up (new rows, a plain spell), the
 batch speculates only if the expected saving over the rows' remaining tokens exceeds that price times the
-tokens they are behind (``decide``'s ``behind`` and ``remaining``).
+tokens they are behind (``decide``'s ``behind`` and ``remaining``), and a probe that is due waits until the
+plain steps since the last one cover that price at ``probe_share``.
 
 The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
 step, Y(w), over the width's last few steps). Where the γ the model picks was measured (fresh samples of its
@@ -396,7 +397,7 @@ class GammaPolicy:
                 speedup = measured.get(gamma) or self._speedup(alphas, gamma)
                 return gamma if self._repays_entry(bucket, speedup, behind, remaining) else 0
         bucket.off = True
-        bucket.probing = bucket.probe_due
+        bucket.probing = bucket.probe_due and self._probe_affordable(bucket, behind)
         return max(1, self.gamma_min) if bucket.probing else 0
 
     def _entry(self, rows: int, caught_up: int) -> bool:
@@ -413,10 +414,19 @@ class GammaPolicy:
         if not remaining or not self._entry(len(behind), lag):
             return True
         per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
-        if per_token is None or plain is None:  # nothing measured yet: the first entry measures it
-            return True
+        if per_token is None or plain is None:  # not measured yet: any gain, and the first entry measures it
+            return speedup > 1.0
         saved = plain * statistics.mean(remaining) * (1.0 - 1.0 / speedup)
         return saved > per_token * lag
+
+    def _probe_affordable(self, bucket: BucketCosts, behind: Sequence[int]) -> bool:
+        """Whether the plain steps since the last probe cover what this one's entry would cost (the tokens the
+        draft is ``behind`` at the measured seconds per token) at ``probe_share``: a probe of rows the draft
+        never saw, which would pay their prompts' prefill, waits as a costly probe's successor would."""
+        per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
+        if per_token is None or plain is None or not self._entry(len(behind), sum(behind)):
+            return True
+        return bucket.plain_run >= per_token * sum(behind) / (self.probe_share * plain)
 
     def _measured_chains(self, bucket: BucketCosts) -> dict[int, float]:
         """γ → measured tokens per second of its chain steps over a plain step's, for the fresh widths."""

@@ -295,6 +295,27 @@ def test_rows_the_draft_must_catch_up_on_speculate_only_if_their_remaining_token
     assert policy.decide(states, behind=[3] * 8, remaining=[2] * 8).gamma > 0
 
 
+def test_a_probe_waits_until_the_plain_steps_cover_its_entry():
+    """Off, with a probe due: rows the draft is 3 tokens behind are probed at once; rows it is 32 tokens
+    behind (new rows: their prompts) would cost the draft 256 × 0.01 s = 2.56 s to take in, which at 2 % of a
+    1 s plain step waits for 128 plain steps."""
+    policy = GammaPolicy(adaptive=True, probe_every=4)
+    states = [GammaState() for _ in range(8)]
+    drive(policy, 40, states=states, accept=lambda i, g: 0, cost=lambda i, d: (0.5 * d, 1.0))  # off
+    policy.observe_catch_up(8, 256, 2.56)
+    bucket = policy.costs.bucket(8)
+    while policy.decide(states, behind=[3] * 8).gamma == 0:
+        policy.observe_step(8, 0, 1.0)
+    policy.observe_step(8, 1, 1.5)
+    while bucket.probing:
+        policy.observe_step(8, policy.decide(states).gamma, 1.5)
+    waited = 0
+    while policy.decide(states, behind=[32] * 8).gamma == 0:
+        policy.observe_step(8, 0, 1.0)
+        waited += 1
+    assert 128 <= waited <= 130, waited
+
+
 def test_probes_that_must_catch_the_draft_up_are_spaced_to_a_share_of_the_time():
     """A probe's draft first processes every token its rows decoded plainly (here 8 rows, each token 5 % of a
     plain step): after a plain spell a probe costs several plain steps. Probing every ``probe_every`` steps
