@@ -22,8 +22,9 @@ Before a bucket has measured a plain and a speculative step, the policy falls ba
 formula with the prior ``cost_ratio``.
 
 Per sequence the policy keeps a smoothed α (accepted / (accepted + rejections), with a prior so a fresh
-sequence starts at a moderate γ: the recent α of every row together, ``prior_alpha`` before any was seen). One γ serves a whole micro-batch: its verify is as wide as its longest
-chain, so every row pays for the widest, and what one row gains the batch pays for. The policy picks the
+sequence starts at a moderate γ: the recent α of every row together, ``prior_alpha`` before any was
+seen). One γ serves a whole micro-batch: its verify is as wide as its longest chain, so every row pays for
+the widest, and what one row gains the batch pays for. The policy picks the
 γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
 batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
 reports what the policy actually picks. When even the best γ would not beat plain decoding (S < 1),
@@ -110,9 +111,9 @@ class WidthCosts:
     ``max_age`` samples is forgotten, so a cost measured in another spell does not linger at widths the
     policy has stopped using; width 1, the plain step every S is measured against, is kept (the policy
     re-measures it on a schedule, not by use). Widths not measured, or speculative ones whose estimate is
-    more than 2× off the others', are read off a Theil–Sen line through the estimates (median of pairwise slopes, never
-    negative; robust to a minority of bad widths); with one measured width the cost is flat in the width
-    (Leviathan's assumption, until a second width is measured).
+    more than 2× off the others', are read off a Theil–Sen line through the estimates (median of pairwise
+    slopes, never negative; robust to a minority of bad widths); with one measured width the cost is flat in
+    the width (Leviathan's assumption, until a second width is measured).
     """
 
     def __init__(self, window: int, min_samples: int, max_age: int):
