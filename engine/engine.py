@@ -86,6 +86,16 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt:]
 
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still emit."""
+        return self.request.max_tokens - len(self.generated)
+
+    @property
+    def behind(self) -> int:
+        """Committed tokens the proposer has not taken in."""
+        return len(self.tokens) - self.proposer_base
+
 
 @dataclass(frozen=True)
 class StepEvent:
@@ -284,7 +294,8 @@ class Engine:
                 if not batch:
                     return events
                 proposal = proposal.select([s.seq_id for s in batch])
-        self.policy.observe_catch_up(len(batch), sum(s.draft_lag for s in batch), proposal.draft_seconds)
+        caught_up = sum(s.draft_lag for s in batch)
+        self.policy.observe_catch_up(len(batch), caught_up, proposal.draft_seconds)
         waited = time.perf_counter() - t0
         prefill = any(s.verifier_base == 0 for s in batch)  # a join or resync: not a decode step's cost
         verify = self.stages.submit_verify(self._verify_items(batch, proposal), proposal, k)
@@ -300,7 +311,7 @@ class Engine:
             # one drafting, so the accounting balances in steady state).
             seconds = time.perf_counter() - step_start
             self.policy.observe_step(len(batch), model_drafts(proposal, pending[0]), seconds,
-                                     caught_up=sum(s.draft_lag for s in batch))
+                                     caught_up=caught_up)
         events.extend(committed)
         return events
 
@@ -330,7 +341,7 @@ class Engine:
             pending = Done(ProposalBatch.empty(ids))
             return (WithForced(pending, forced) if forced else pending), ids
         for seq in batch:
-            seq.draft_lag, seq.proposer_base = len(seq.tokens) - seq.proposer_base, len(seq.tokens)
+            seq.draft_lag, seq.proposer_base = seq.behind, len(seq.tokens)
         # Constrained rows draft one chain: masks follow one path of tokens (trees are not masked per node yet).
         if self.draft_num == 1 or any(it.matcher for it in items):
             pending = self.stages.submit_propose(items, shard)
@@ -350,14 +361,12 @@ class Engine:
             return Shape(0)
         return self.policy.decide([seq.gamma_state for seq in batch],
                                   sampled=any(not seq.request.sampling.greedy for seq in batch),
-                                  behind=[len(seq.tokens) - seq.proposer_base for seq in batch],
-                                  remaining=[seq.request.max_tokens - len(seq.generated) for seq in batch])
+                                  behind=[seq.behind for seq in batch], remaining=[seq.remaining for seq in batch])
 
     def _room(self, seq: Sequence, gamma: int) -> int:
         """γ for one row: drafting past max_tokens is wasted (the step emits up to γ + 1 tokens)."""
-        remaining = seq.request.max_tokens - len(seq.generated)
         room = self.max_len - len(seq.tokens) - 1
-        return max(0, min(gamma, remaining - 1, room))
+        return max(0, min(gamma, seq.remaining - 1, room))
 
     def _forced(self, seq: Sequence) -> tuple[list[int], bool]:
         """The run of tokens the grammar forces next, as far as the row may draft (none when not speculating:

@@ -406,28 +406,34 @@ class GammaPolicy:
         plain spell, new to it, resynced) rather than keeping up: more than a step emits and a plain one."""
         return caught_up > rows * (self.gamma_max + 2)
 
+    def _entry_seconds(self, bucket: BucketCosts, behind: Sequence[int]) -> float | None:
+        """Seconds the draft would take to catch up on the tokens it is ``behind``, at the bucket's measured
+        seconds per token: 0 where the rows keep up (no entry), None where not priced yet (no entry measured,
+        or no plain step to weigh it against)."""
+        lag = sum(behind)
+        if not self._entry(len(behind), lag):
+            return 0.0
+        per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
+        return None if per_token is None or plain is None else per_token * lag
+
     def _repays_entry(self, bucket: BucketCosts, speedup: float, behind: Sequence[int],
                       remaining: Sequence[int]) -> bool:
         """Whether speculating at ``speedup`` over the rows' remaining tokens saves more than the draft costs to
-        catch up on what it is ``behind``, at the bucket's measured seconds per caught-up token. A short answer
-        after a long prompt may not repay the draft's prefill (a large draft on a compute-bound device)."""
-        lag = sum(behind)
-        if not remaining or not self._entry(len(behind), lag):
+        catch up on what it is ``behind``. A short answer after a long prompt may not repay the draft's prefill
+        (a large draft on a compute-bound device)."""
+        if not remaining:
             return True
-        per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
-        if per_token is None or plain is None:  # not measured yet: any gain, and the first entry measures it
+        entry = self._entry_seconds(bucket, behind)
+        if entry is None:  # not priced yet: any gain, and the first entry prices it
             return speedup > 1.0
-        saved = plain * statistics.mean(remaining) * (1.0 - 1.0 / speedup)
-        return saved > per_token * lag
+        return entry == 0.0 or bucket.seconds.level(1) * statistics.mean(remaining) * (1.0 - 1.0 / speedup) > entry
 
     def _probe_affordable(self, bucket: BucketCosts, behind: Sequence[int]) -> bool:
-        """Whether the plain steps since the last probe cover what this one's entry would cost (the tokens the
-        draft is ``behind`` at the measured seconds per token) at ``probe_share``: a probe of rows the draft
-        never saw, which would pay their prompts' prefill, waits as a costly probe's successor would."""
-        per_token, plain = bucket.catch_up_seconds(), bucket.seconds.level(1)
-        if per_token is None or plain is None or not self._entry(len(behind), sum(behind)):
-            return True
-        return bucket.plain_run >= per_token * sum(behind) / (self.probe_share * plain)
+        """Whether the plain steps since the last probe cover what this one's entry would cost at
+        ``probe_share``: a probe of rows the draft never saw, which would pay their prompts' prefill, waits as
+        a costly probe's successor would."""
+        entry = self._entry_seconds(bucket, behind)
+        return not entry or bucket.plain_run >= entry / (self.probe_share * bucket.seconds.level(1))
 
     def _measured_chains(self, bucket: BucketCosts) -> dict[int, float]:
         """γ → measured tokens per second of its chain steps over a plain step's, for the fresh widths."""
