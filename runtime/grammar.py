@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from runtime.host_copy import to_device
@@ -43,28 +44,39 @@ def _shifts(device: torch.device) -> torch.Tensor:  # [32] int32
     return shifts
 
 
+def refused(mask: torch.Tensor,  # [..., W] int32 packed allowed-token bits
+            vocab: int) -> torch.Tensor:  # [..., vocab] bool, True where the token is not allowed
+    if mask.device.type == "cpu":
+        # numpy reads the words' bytes (little-endian: token 32·w + j is bit j of word w) in one pass, about
+        # twice as fast as shifting every word 32 ways; on a device the shifts run in one kernel.
+        words = np.ascontiguousarray(mask.numpy(), dtype="<i4").view(np.uint8)
+        return torch.from_numpy(np.unpackbits(words, axis=-1, bitorder="little")[..., :vocab] == 0)
+    return ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., :vocab] == 0
+
+
 def unpack(mask: torch.Tensor,  # [..., W] int32 packed allowed-token bits
-           vocab: int) -> torch.Tensor:  # [..., vocab] bool
-    return ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., :vocab].bool()
+           vocab: int) -> torch.Tensor:  # [..., vocab] bool, True where the token is allowed
+    return ~refused(mask, vocab)
 
 
 def apply_mask(logits: torch.Tensor,  # [..., V] float
                mask: torch.Tensor,  # [..., W] int32 on logits' device
                ) -> torch.Tensor:  # [..., V]: disallowed tokens at -inf
-    refused = ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., : logits.shape[-1]] == 0
-    return logits.masked_fill(refused, float("-inf"))
+    return logits.masked_fill(refused(mask, logits.shape[-1]), float("-inf"))
 
 
-def mask_rows(logits: torch.Tensor,  # [B, ..., V] float
+def mask_rows(logits: torch.Tensor,  # [B, ..., V] float, masked in place
               rows: Sequence[int],  # the constrained rows of logits, ascending
               masks: torch.Tensor,  # [len(rows), ..., W] int32, CPU
-              ) -> torch.Tensor:  # [B, ..., V]: those rows' disallowed tokens at -inf, the others as they were
-    """The one place both stages mask logits: the draft per position, the verifier over γ + 1 positions."""
-    masks = to_device(masks, logits.device)
-    if len(rows) == logits.shape[0]:  # every row constrained (batch 1 among them): no gather, no scatter
-        return apply_mask(logits, masks)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    return logits.index_copy(0, index, apply_mask(logits[index], masks))
+              ) -> torch.Tensor:  # logits: those rows' disallowed tokens at -inf, the others as they were
+    """The one place both stages mask logits: the draft per position, the verifier over γ + 1 positions. In
+    place: both hand it logits of a forward that nothing else reads."""
+    no = refused(to_device(masks, logits.device), logits.shape[-1])
+    with torch.inference_mode():  # the forwards' logits are inference tensors
+        if len(rows) == logits.shape[0]:  # every row constrained (batch 1 among them): no gather, no scatter
+            return logits.masked_fill_(no, float("-inf"))
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(no, float("-inf")))
 
 
 class Matcher(Protocol):
