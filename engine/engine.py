@@ -316,21 +316,25 @@ class Engine:
         return events
 
     def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int]]:
-        shape = self._shape(batch)
+        runs = [self._forced(seq) for seq in batch]
+        shape = self._shape(batch, [len(run) for run, _ in runs])
         items, forced = [], {}
-        for seq in batch:
+        for seq, (run, ends) in zip(batch, runs):
             gamma = self._room(seq, self.policy.gamma if seq.seeded and self.speculate else shape.gamma)
             if seq.request.grammar is not None and seq.request.grammar.kind == "choice":
                 # A choice is decided at the token where its strings part, where the draft can only guess, and
                 # the grammar forces the rest: drafting would cost the draft a prefill of the prompt to save at
                 # most one target pass of an answer a few tokens long (docs/design.md, "Structured outputs").
                 gamma = 0
-            run, ends = self._forced(seq)
             if run:
                 # The grammar drafts the run; the proposer drafts after it, unless the run completes the grammar;
-                # the whole chain stays within the row's room and gamma_max (what a verify frame may carry).
-                forced[seq.seq_id] = run
-                gamma = 0 if ends else max(0, min(gamma, self._room(seq, self.policy.gamma_max) - len(run)))
+                # the whole chain stays within the row's room and the step's (a caller-seeded row's, γ_max: its
+                # sample must not depend on measured costs).
+                room = self._room(seq, self.policy.gamma_max if seq.seeded else shape.room)
+                ends, run = ends and len(run) <= room, run[:room]
+                if run:
+                    forced[seq.seq_id] = run
+                    gamma = 0 if ends else max(0, min(gamma, room - len(run)))
             items.append(ProposeItem(SyncItem(seq.seq_id, seq.proposer_base, tuple(seq.tokens[seq.proposer_base:])),
                                      gamma, seq.request.sampling, matcher=seq.matcher, forced=tuple(run),
                                      nodes=shape.nodes))
@@ -356,12 +360,13 @@ class Engine:
         members = {s.seq_id: s for s in group}
         return [members[i] for i in pending[1] if i in members]
 
-    def _shape(self, batch: list[Sequence]) -> Shape:
+    def _shape(self, batch: list[Sequence], forced: list[int]) -> Shape:
         if not self.speculate:
             return Shape(0)
         return self.policy.decide([seq.gamma_state for seq in batch],
                                   sampled=any(not seq.request.sampling.greedy for seq in batch),
-                                  behind=[seq.behind for seq in batch], remaining=[seq.remaining for seq in batch])
+                                  behind=[seq.behind for seq in batch], remaining=[seq.remaining for seq in batch],
+                                  forced=forced)
 
     def _room(self, seq: Sequence, gamma: int) -> int:
         """γ for one row: drafting past max_tokens is wasted (the step emits up to γ + 1 tokens)."""

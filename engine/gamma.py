@@ -252,6 +252,9 @@ class Shape:
 
     gamma: int  # draft tokens per row (0: a plain step)
     nodes: int = 0  # the node budget of the draft's token tree (0: a chain of γ)
+    # the most tokens a row may propose, its grammar's forced run and its drafts together (a forced run beyond
+    # γ widens every row's verify; see ``GammaPolicy._chain_room``)
+    room: int = 0
 
 
 @dataclass
@@ -315,13 +318,43 @@ class GammaPolicy:
         return sizes + [self.tree_nodes] if self.tree_nodes else []
 
     def decide(self, states: Sequence[GammaState], sampled: bool = False, behind: Sequence[int] = (),
-               remaining: Sequence[int] = ()) -> Shape:
+               remaining: Sequence[int] = (), forced: Sequence[int] = ()) -> Shape:
         """The next step of a micro-batch whose sequences hold ``states`` (at least one): γ per row (0: a plain
-        step) and the node budget of its token tree (0: a chain). ``sampled``: a row of it samples; per row,
-        ``behind``: committed tokens the draft has not taken in, ``remaining``: the most tokens it may still
-        emit (empty: not known, and no entry cost is weighed)."""
+        step), the node budget of its token tree (0: a chain) and the room of a row's chain. ``sampled``: a row
+        of it samples; per row, ``behind``: committed tokens the draft has not taken in, ``remaining``: the
+        most tokens it may still emit (empty: not known, and no entry cost is weighed), ``forced``: the length
+        of the run its grammar forces next (empty: none)."""
         gamma = self._chain(states, behind, remaining)
-        return Shape(gamma, self._tree(len(states), gamma, sampled))
+        return Shape(gamma, self._tree(len(states), gamma, sampled), self._chain_room(states, gamma, forced))
+
+    def _chain_room(self, states: Sequence[GammaState], gamma: int, forced: Sequence[int]) -> int:
+        """The most tokens a row's chain may hold, a forced run in front of its γ drafts included. A forced run
+        is nearly free to propose but not to verify: the verify is as wide as the longest chain, for every row.
+        So the room is the k in [γ, γ_max] that maximises the step's expected tokens over its measured cost
+        T(k + 1): a row with a run of f takes min(f, k) forced tokens, and drafts after a whole run up to k. On
+        a device whose wider verify costs little (one row, a GPU) the runs go in whole; on a compute-bound
+        one at a large batch, a few constrained rows do not widen the step every other row pays for. Where no
+        cost was measured (or γ is fixed), runs go in whole."""
+        if not any(forced) or not self.adaptive:
+            return self.gamma_max
+        bucket = self.costs.bucket(len(states))
+        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
+        alphas = [st.alpha(prior, self.prior_weight) for st in states]
+
+        def tokens(k: int) -> float:
+            total = 0.0
+            for alpha, f in zip(alphas, forced):
+                run = min(f, k)
+                total += run + expected_tokens_per_step(alpha, min(gamma, k - run) if run == f else 0)
+            return total
+
+        rates = {}
+        for k in range(gamma, self.gamma_max + 1):
+            seconds = bucket.step_seconds(k)
+            if seconds is None:
+                return self.gamma_max
+            rates[k] = tokens(k) / seconds
+        return max(rates, key=lambda k: (rates[k], -k))
 
     def _tree(self, rows: int, gamma: int, sampled: bool) -> int:
         """Node budget of the next step's token tree for ``rows`` drafting rows at depth γ; 0 for a chain."""

@@ -411,9 +411,32 @@ def test_measured_chains_that_pay_keep_the_model_choice():
     assert sum(gammas[50:]) / 50 >= 4 and gammas[50:].count(0) <= 2
 
 
+def test_forced_runs_widen_the_verify_only_where_their_tokens_pay_for_it():
+    """A grammar's forced run is nearly free to propose but widens the verify of every row. With one cost per
+    width, a lone constrained row takes its whole run of 6; the same row among 15 unconstrained
+    ones is cut to the batch's own chain, since the width would cost all 16 rows; 16 constrained rows take
+    their runs again."""
+
+    def decide(rows: int, forced: list[int]):
+        policy = GammaPolicy(adaptive=True)
+        for _ in range(5):
+            for drafted in (0, 1, 2, 3, 5, 8):
+                policy.costs.record(rows, drafted, 0.010 + 0.004 * (drafted + 1))
+        return policy.decide([GammaState(accepted=6, rejections=4) for _ in range(rows)], forced=forced)
+
+    alone = decide(1, [6])
+    assert 1 <= alone.gamma < 6 and alone.room >= 6
+    among = decide(16, [6] + [0] * 15)
+    assert among.gamma >= 1 and among.room == among.gamma
+    assert decide(16, [6] * 16).room >= 6
+    # No forced run, or fixed γ: the room is γ_max (a run, if any, goes in whole).
+    assert decide(16, []).room == GammaPolicy().gamma_max
+    assert GammaPolicy(gamma=2).decide([GammaState()], forced=[6]).room == GammaPolicy().gamma_max
+
+
 def test_decide_gives_the_chain_and_the_tree_of_one_step():
     fixed = GammaPolicy(gamma=4, tree_nodes=6)
-    assert fixed.decide([GammaState()]) == Shape(4, 6)
+    assert fixed.decide([GammaState()]) == Shape(4, 6, room=8)
     adaptive = GammaPolicy(adaptive=True, tree_nodes=64)
     shape = adaptive.decide([GammaState()], sampled=True)
     assert shape.gamma >= 1 and shape.nodes == 0  # sampled batches keep chains
