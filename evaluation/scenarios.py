@@ -253,9 +253,12 @@ def main() -> int:
     parser.add_argument("--mixed-batch", type=int, default=0,
                         help="with --structured: also this many rows at once, half constrained, against the same "
                              "batch unconstrained (0: not measured)")
+    parser.add_argument("--mixed-rounds", type=int, default=21,
+                        help="interleaved rounds of --mixed-batch (a batch takes about a second, and the adaptive γ "
+                             "makes single rounds differ by ±10 %%)")
     args = parser.parse_args()
-    if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1:
-        parser.error("--prompts, --max-tokens and --repeats must be ≥ 1")
+    if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1 or args.mixed_rounds < 1:
+        parser.error("--prompts, --max-tokens, --repeats and --mixed-rounds must be ≥ 1")
     if args.structured:
         from evaluation.structured import run_structured
 

@@ -28,8 +28,8 @@ speculative runs are compared with the plain run's of the same kind (they must b
 through the speculative engine, half of them the scenarios' prompts constrained and half other prompts
 unconstrained (``max_tokens``), against the same batch with the constrained half unconstrained and cut at its
 constrained answers' lengths, so both batches shrink alike as rows finish. The cost is one less the ratio of
-the two batches' tokens/s (median of ``--repeats`` interleaved rounds); the unconstrained rows' outputs must
-be the same in both.
+the two batches' tokens/s (median of ``--mixed-rounds`` interleaved rounds); the unconstrained rows' outputs
+must be the same in both.
 
 Writes DIR/structured.json and DIR/structured.md.
 """
@@ -191,11 +191,11 @@ def mixed_batch(args, eng, prompts: list[tuple]) -> dict:
     runs = {name: (lambda _, batch=batch: [o.tokens for o in eng.generate(batch)])
             for name, batch in (("alone", alone), ("beside constrained rows", beside))}
     rounds: dict = {}
-    outputs, _ = interleaved(runs, [None], args.repeats, tqdm(desc=f"mixed batch {n}", file=sys.stderr, leave=False),
-                             rounds)
+    outputs, _ = interleaved(runs, [None], args.mixed_rounds,
+                             tqdm(desc=f"mixed batch {n}", file=sys.stderr, leave=False), rounds)
     alone_out, beside_out = outputs["alone"][0], outputs["beside constrained rows"][0]
     ratio = statistics.median(a / b for a, b in zip(rounds["alone"], rounds["beside constrained rows"]))
-    return {"batch": n, "constrained_rows": len(half), "tokens": sum(map(len, alone_out)),
+    return {"batch": n, "constrained_rows": len(half), "rounds": args.mixed_rounds, "tokens": sum(map(len, alone_out)),
             "tok_s_alone": sum(map(len, alone_out)) / min(rounds["alone"]),
             "tok_s_beside": sum(map(len, beside_out)) / min(rounds["beside constrained rows"]),
             "cost": 1 - ratio,
@@ -224,7 +224,7 @@ def markdown(report: dict) -> str:
         m = report["mixed_batch"]
         lines.append(f"batch {m['batch']}, {m['constrained_rows']} rows constrained: the batch's tokens/s "
                      f"{m['tok_s_beside']:.1f} against {m['tok_s_alone']:.1f} with those rows unconstrained; cost to "
-                     f"the unconstrained rows {m['cost']:.1%} (median of {report['repeats']} rounds); their outputs "
+                     f"the unconstrained rows {m['cost']:.1%} (median of {m['rounds']} rounds); their outputs "
                      f"identical {m['unconstrained_identical']}/{m['unconstrained_rows']}")
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}; batch 1, max_tokens "
                  f"{report['max_tokens']} (unconstrained runs: the constrained answer's length), fastest of "

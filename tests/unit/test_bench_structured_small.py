@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.timeout(300),
 
 def test_small_structured_run_writes_a_complete_report(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scenarios.py"), "--structured", "--threads",
-                           "1", "--prompts", "1", "--max-tokens", "64", "--mixed-batch", "4", "--out", str(tmp_path)],
+                           "1", "--prompts", "1", "--max-tokens", "64", "--mixed-batch", "4", "--mixed-rounds", "2",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "structured.json").read_text())
@@ -42,6 +43,6 @@ def test_small_structured_run_writes_a_complete_report(tmp_path):
         assert row["runs"]["constrained spec"]["forced_share"] > 0
         assert row["runs"]["constrained spec, no forced"]["forced_share"] == 0
     mixed = report["mixed_batch"]
-    assert mixed["batch"] == 4 and mixed["constrained_rows"] == 2 and mixed["tokens"] > 0
+    assert mixed["batch"] == 4 and mixed["constrained_rows"] == 2 and mixed["rounds"] == 2 and mixed["tokens"] > 0
     assert mixed["unconstrained_identical"] == mixed["unconstrained_rows"] == 2 and -1 < mixed["cost"] < 1
     assert "constrained plain / unconstrained plain" in (tmp_path / "structured.md").read_text()
