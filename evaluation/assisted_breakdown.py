@@ -23,9 +23,10 @@ With ``--target``/``--draft`` (a real pair, HF folders or GGUF files) the scenar
 (``evaluation.scenarios``' sets by default), tokenized by the target's tokenizer, instead of agreements.
 
 With ``--batch 1,2,4,8,16`` each scenario gets the scenario benchmark's batch rows on this pair instead of the
-breakdown (``evaluation.scenarios.batch_row``): plain against the default γ controller and each
-``--fixed-gammas``, every prompt ``batch`` sequences at a time, gains the median of ``--repeats`` interleaved
-rounds, outputs compared with plain decoding. Use at least as many ``--prompts`` as the largest batch.
+breakdown (``evaluation.scenarios.batch_row``): plain against a second plain engine (the control), the
+default γ controller and each ``--fixed-gammas``, every prompt ``batch`` sequences at a time, gains the
+median of ``--repeats`` interleaved rounds, outputs compared with plain decoding. Use at least as many
+``--prompts`` as the largest batch.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ per scenario, at batch 1 and in one run:
   tokens/s of the automatic shape (the adaptive policy choosing chain or tree per step, ``--auto-tree-nodes``)
   beside the adaptive chain's;
 - batch rows (``--batch``, default 1,2,4,8,16): plain vs speculative throughput of the engine over all
-  prompts at each batch size, and each fixed γ of the sweep beside the adaptive policy; the
+  prompts at each batch size, a second plain engine as the control (what the box's noise makes of 1.0 in
+  the same rounds), and each fixed γ of the sweep beside the adaptive policy; the
   gains are the median over ``--repeats`` interleaved rounds;
 - every speculative output checked token-identical to plain greedy decoding (counts shown), and the
   engine's plain output compared with HF's.
@@ -465,10 +466,13 @@ def interleaved(runs: dict, inputs: list, repeats: int, progress, rounds: dict |
 
 
 def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm) -> dict:
-    """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults) and each fixed γ of
-    the sweep, interleaved per group of prompts. Gains are
-    the median over the repeats of each round's tokens/s ratio; tokens/s the fastest per group."""
-    engines = {"plain": engine(None, slots=batch), "spec": engine(args.draft, slots=batch)}
+    """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults), each fixed γ of the
+    sweep, and a second plain engine as a control, interleaved per group of prompts. Gains are the median over
+    the repeats of each round's tokens/s ratio; tokens/s the fastest per group. The control's gain
+    (``gain_control``: plain over plain, the same work) is what this machine's noise makes of 1.0 in the same
+    rounds, the yardstick for every other gain of the row."""
+    engines = {"plain": engine(None, slots=batch), "control": engine(None, slots=batch),
+               "spec": engine(args.draft, slots=batch)}
     engines.update({f"fixed{g}": engine(args.draft, slots=batch, gamma=g) for g in args.fixed_gammas})
     # Warm-up: first-call costs, and the adaptive policy's cost model meets this batch size once.
     warm = [Request(tuple(ids[:8]), max_tokens=32) for ids in all_ids[:batch]]
@@ -487,7 +491,8 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
         row[f"{name}_tok_s"] = sum(map(len, outputs[name])) / seconds[name]
         if name != "plain":
             row[f"identical_{name}"] = sum(a == b for a, b in zip(outputs["plain"], outputs[name]))
-            row[f"mean_gamma_{name}"] = eng.stats.mean_gamma
+            if name != "control":
+                row[f"mean_gamma_{name}"] = eng.stats.mean_gamma
             # Every run emits the same tokens each round, so the ratio of seconds is the ratio of tokens/s.
             row[f"gain_{name}"] = statistics.median(p / x for p, x in zip(rounds["plain"], rounds[name]))
     if args.fixed_gammas:
@@ -499,13 +504,14 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
 
 def batch_table(batches: list[dict]) -> list[str]:
     """The markdown lines of ``batch_row``'s rows: gains over plain, each fixed γ, and outputs identical."""
-    head = ["batch", "plain tok/s*", "speculative"]
+    head = ["batch", "plain tok/s*", "plain again (control)", "speculative"]
     gammas = [int(k[5:-6]) for k in batches[0] if k.startswith("fixed") and k.endswith("_tok_s")]
     head += [f"γ={g}" for g in gammas] + (["speculative / best fixed"] if gammas else []) + ["identical"]
     lines = [f"Batches ({batches[0]['prompts']} prompts; gains over plain, median of {batches[0]['repeats']} "
-             "interleaved rounds; mean γ in brackets):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             "interleaved rounds; mean γ in brackets; the control is a second plain engine, the same work):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in batches:
-        cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}"]
+        cells = [str(b["batch"]), f"{b['plain_tok_s']:.1f}", f"{b['gain_control']:.2f}×"]
         cells.append(f"{b['gain_spec']:.2f}× ({b['mean_gamma_spec']:.2f})")
         cells += [f"{b[f'gain_fixed{g}']:.2f}×" for g in gammas]
         if gammas:

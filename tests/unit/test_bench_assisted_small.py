@@ -68,4 +68,6 @@ def test_batch_rows_instead_of_the_breakdown(tmp_path):
     for b in s["batches"]:
         assert b["prompts"] == 4 and b["identical_spec"] == 4 and b["identical_fixed2"] == 4
         assert b["gain_spec"] > 0 and b["best_fixed_gamma"] == 2
-    assert "| 4 |" in (tmp_path / "assisted.md").read_text()
+        assert b["identical_control"] == 4 and b["gain_control"] > 0  # a second plain engine: the noise's 1.0
+    table = (tmp_path / "assisted.md").read_text()
+    assert "| 4 |" in table and "plain again (control)" in table

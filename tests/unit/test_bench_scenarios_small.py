@@ -63,7 +63,7 @@ def test_small_run_writes_a_complete_report(tmp_path):
     assert report["fixed_identical"] == report["fixed_compared"] == 18
     assert [b["batch"] for b in report["batches"]] == [1, 2]
     for batch in report["batches"]:
-        runs = ["spec", "fixed1", "fixed2", "fixed3"]
+        runs = ["control", "spec", "fixed1", "fixed2", "fixed3"]
         assert batch["prompts"] == 6 and all(batch[f"identical_{n}"] == 6 for n in runs)
         assert all(batch[f"gain_{n}"] > 0 and f"{n}_tok_s" in batch for n in runs)
         best = batch["best_fixed_gamma"]
