@@ -33,7 +33,6 @@ with no continuation.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
 import secrets
@@ -205,8 +204,6 @@ class Engine:
         self.verifier_resyncs = 0  # re-prefills: the verifier lost sequences it had already prefilled
         self.seeded_redrafts = 0  # batches drafted again because the draft lost a caller-seeded row
         self._mask_seconds = 0.0  # the last step's filling of the verifier's grammar masks
-        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None  # fills them, made on first use
-        self._masks_ready: concurrent.futures.Future | None = None  # the last step's fill
         # KV blocks per stage pool (None: enough for max_running sequences at max_len, nothing to count).
         # Every pool holds at most the running sequences, so keeping their blocks within one pool's keeps
         # every pool within its own; a step may write γ_max + 1 (or a tree's nodes + 1) positions past them.
@@ -306,11 +303,7 @@ class Engine:
         if following != k and following not in self._pending:
             self._pending[following] = self._submit_propose(following, groups[following])  # drafts meanwhile
         t0 = time.perf_counter()
-        try:
-            outcome: VerifyOutcome = verify.result()
-        finally:
-            if self._masks_ready is not None:  # the fill reads the rows' matchers: done before they move on
-                self._masks_ready.result()
+        outcome: VerifyOutcome = verify.result()
         self.last_step_wait = waited + time.perf_counter() - t0
         committed = self._commit(batch, proposal, outcome, pending[0])
         if not prefill:  # a prefill's time is not what a decode step costs
@@ -393,33 +386,20 @@ class Engine:
         return run, ends
 
     def _verify_items(self, batch: list[Sequence], proposal: ProposalBatch) -> list[VerifyItem]:
-        """The batch's verify items. Constrained rows' masks are filled on the mask thread (``_fill_masks``)
-        while the verifier runs its forward, which reads them only for the logits it returns."""
         row = {s: b for b, s in enumerate(proposal.seq_ids)}
-        jobs, rows, masks = [], 0, {}
+        items = []
+        self._mask_seconds = 0.0
         for s in batch:
+            mask = None
             if s.matcher is not None:
+                t0 = time.perf_counter()
                 drafts = proposal.row_tokens(row[s.seq_id]) if s.seq_id in row else []
-                jobs.append((s, rows, drafts))
-                rows += len(drafts) + 1
-        ready, self._mask_seconds = None, 0.0
-        if jobs:
-            out = allow_all(rows, jobs[0][0].request.grammar.vocab_size)
-            masks = {s.seq_id: out[k : k + len(drafts) + 1] for s, k, drafts in jobs}
-            if self._mask_thread is None:
-                self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-            ready = self._mask_thread.submit(self._fill_masks, [(s.matcher, k, d) for s, k, d in jobs], out)
-        self._masks_ready = ready
-        return [VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])), s.request.sampling,
-                           masks.get(s.seq_id), ready if s.seq_id in masks else None) for s in batch]
-
-    def _fill_masks(self, jobs: list[tuple[Matcher, int, list[int]]],
-                    out,  # [rows, W] int32: each job's rows from its row on
-                    ) -> None:
-        t0 = time.perf_counter()
-        for kind in {type(m) for m, _, _ in jobs}:
-            kind.fill_masks([job for job in jobs if type(job[0]) is kind], out)
-        self._mask_seconds = time.perf_counter() - t0
+                mask = allow_all(len(drafts) + 1, s.request.grammar.vocab_size)
+                s.matcher.fill_mask(mask, drafts)
+                self._mask_seconds += time.perf_counter() - t0
+            items.append(VerifyItem(SyncItem(s.seq_id, s.verifier_base, tuple(s.tokens[s.verifier_base:])),
+                                    s.request.sampling, mask))
+        return items
 
     def _commit(self, batch: list[Sequence], proposal: ProposalBatch, outcome: VerifyOutcome,
                 pending: Pending) -> list[StepEvent]:

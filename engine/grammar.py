@@ -92,16 +92,6 @@ def map_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
                            f"structured outputs: {exc}") from None
 
 
-_EXECUTOR: list[llguidance.LLExecutor] = []
-
-
-def _executor() -> llguidance.LLExecutor:
-    """The process's one llguidance executor (its own native threads), made on first use."""
-    if not _EXECUTOR:
-        _EXECUTOR.append(llguidance.LLExecutor())
-    return _EXECUTOR[0]
-
-
 class LLGuidanceMatcher:
     """``runtime.grammar.Matcher`` over one ``llguidance.LLMatcher``."""
 
@@ -117,11 +107,10 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, out: torch.Tensor,  # [len(drafts) + 1, W] int32, contiguous, CPU
                   drafts: Sequence[int] = ()) -> None:
-        # On the calling thread, row by row (microseconds each), for a caller that needs the mask at once (the
-        # draft, position by position): llguidance's executor hands the work to its own threads, which on a CPU
-        # host whose cores torch's threads keep busy can cost milliseconds (``fill_masks`` is for work that
-        # overlaps a forward). A draft is consumed only after its row's mask allows it: consuming a refused token
-        # would leave the matcher in its error state for good.
+        # On the calling thread, row by row (microseconds each): llguidance's executor would fill the rows in
+        # one call, but hands the work to its own thread pool, and on a CPU host whose cores torch's threads
+        # keep busy that hand-off cost milliseconds per step. A draft is consumed only after its row's mask
+        # allows it: consuming a refused token would leave the matcher in its error state for good.
         if out.shape[0] < len(drafts) + 1 or not out.is_contiguous() or out.dtype != torch.int32:
             raise ValueError(f"mask buffer {tuple(out.shape)} {out.dtype} cannot hold {len(drafts) + 1} rows")
         row_bytes = out.shape[1] * 4
@@ -135,19 +124,6 @@ class LLGuidanceMatcher:
                 break
             consumed += 1
         self.rollback(consumed)
-
-    @staticmethod
-    def fill_masks(jobs: Sequence[tuple["LLGuidanceMatcher", int, Sequence[int]]], out: torch.Tensor) -> None:
-        # llguidance's executor: the same masks as ``fill_mask`` (rows after a refused draft left as they were,
-        # the matchers rolled back), computed without the GIL, so a step thread's target forward runs meanwhile.
-        if not out.is_contiguous() or out.dtype != torch.int32:
-            raise ValueError(f"mask buffer {tuple(out.shape)} {out.dtype} must be contiguous int32")
-        args = (out.data_ptr(), out.shape[1] * 4, out.shape[0])
-        drafted = [(m._m, row, list(drafts)) for m, row, drafts in jobs if drafts]
-        if drafted:
-            _executor().unsafe_compute_mask_ptr_with_draft_token(drafted, *args)
-        if len(drafted) < len(jobs):  # the executor's draft call refuses a row without drafts
-            _executor().unsafe_compute_mask_ptr([(m._m, row) for m, row, drafts in jobs if not drafts], *args)
 
     def forced_tokens(self) -> list[int]:
         return self._m.compute_ff_tokens()

@@ -91,11 +91,6 @@ class Matcher(Protocol):
 
     def fill_mask(self, out: torch.Tensor, drafts: Sequence[int] = ()) -> None: ...
 
-    @staticmethod
-    def fill_masks(jobs: Sequence[tuple["Matcher", int, Sequence[int]]], out: torch.Tensor) -> None:
-        """``fill_mask`` for many matchers of this class in one call that does not hold the GIL: each job's rows
-        start at its row of ``out`` ([rows, W] int32, contiguous, CPU)."""
-
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar allows next with no alternative (a run of them; may be empty)."""
 

@@ -13,7 +13,6 @@ in-process engine can pass them by reference.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -177,16 +176,8 @@ class VerifyItem:
     sync: SyncItem
     sampling: SamplingParams = GREEDY
     # A constrained row's allowed tokens before its first draft and after each ([drafts + 1, W] int32, packed
-    # as in ``runtime.grammar``): applied to the target's logits before the warp. Read it with ``filled_mask``.
+    # as in ``runtime.grammar``; in-process stages only): applied to the target's logits before the warp.
     mask: torch.Tensor | None = None
-    # While ``mask`` is still being filled off the step thread (so that the fill overlaps the target's forward):
-    # the fill's future
-    mask_ready: Future | None = None
-
-    def filled_mask(self) -> torch.Tensor | None:
-        if self.mask_ready is not None:
-            self.mask_ready.result()
-        return self.mask
 
 
 @dataclass

@@ -208,7 +208,7 @@ def encode_verify(items: Sequence[VerifyItem], proposal: ProposalBatch) -> bytes
     """Router → verifier: row b of ``proposal`` is the proposal for ``items[b]``."""
     rows = _encode_rows([i.sync for i in items], [i.sampling for i in items])
     return _pack({"v": SCHEMA_VERSION, "kind": "verify", "items": rows, "proposal": _encode_proposal_body(proposal),
-                  "masks": _encode_masks([i.filled_mask() for i in items])})
+                  "masks": _encode_masks([i.mask for i in items])})
 
 
 def _encode_masks(masks: Sequence[torch.Tensor | None]) -> dict[str, Any] | None:

@@ -130,9 +130,8 @@ class VerifyStage:
         B, T, V = logits.shape
         masks = allow_all(len(rows) * T, V).view(len(rows), T, -1)
         for j, b in enumerate(rows):
-            mask = live[b].filled_mask()
-            n = min(T, mask.shape[0])
-            masks[j, :n] = mask[:n]
+            n = min(T, live[b].mask.shape[0])
+            masks[j, :n] = live[b].mask[:n]
         return mask_rows(logits, rows, masks)
 
     def _check_tree(self, proposal: ProposalBatch, items: Sequence[VerifyItem]) -> None:

@@ -36,33 +36,6 @@ def test_masks_follow_the_text_and_rollback_restores_the_state():
     assert allowed(matcher) == before and not matcher.is_accepting
 
 
-def test_one_call_for_many_matchers_fills_what_each_would_and_leaves_them_where_they_were():
-    """``fill_masks`` (the verifier's masks, off the step thread) against ``fill_mask`` row by row: drafts that
-    the grammar takes, a draft it refuses halfway (the rows after it are left as they were), a row with no
-    drafts; the matchers are where they were afterwards."""
-    from engine.grammar import LLGuidanceMatcher
-
-    tok = tokenizer()
-    grammar = compiler().compile(GrammarSpec("json_schema", PERSON))
-    text = tok('{"name": "Ada", "age": 36}', add_special_tokens=False)["input_ids"]
-    matchers = [grammar.matcher() for _ in range(3)]
-    assert matchers[1].consume(text[:2])
-    refused = next(t for t in range(V) if t not in allowed(matchers[1], text[2:3])[1])
-    drafts = [text[:4], text[2:3] + [refused] + text[3:5], []]
-    expected = allow_all(sum(len(d) + 1 for d in drafts), V)
-    jobs, row = [], 0
-    for matcher, d in zip(matchers, drafts):
-        matcher.fill_mask(expected[row : row + len(d) + 1], d)
-        jobs.append((matcher, row, d))
-        row += len(d) + 1
-    before = [allowed(m) for m in matchers]
-    out = allow_all(row, V)
-    LLGuidanceMatcher.fill_masks(jobs, out)
-    assert torch.equal(out, expected)
-    assert (out[5 + 2 :  5 + 4] == -1).all()  # after the refused draft: as they were
-    assert [allowed(m) for m in matchers] == before
-
-
 def test_forced_tokens_are_the_only_allowed_continuation():
     matcher = compiler().compile(GrammarSpec("json_schema", PERSON)).matcher()
     forced = matcher.forced_tokens()
