@@ -57,8 +57,12 @@ To know T(1) at a bucket where it speculates, the policy runs the bucket's steps
 (``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
 all of this.
 
-``decide`` is the one decision: γ, and the node budget of the step's token tree (``Shape``). The engine asks
-it per micro-batch and hands the shape to the proposer with the rows (``ProposeItem.nodes``).
+``decide`` is the one decision: γ, the node budget of the step's token tree, and the room of a row's chain
+where a grammar forces a run of tokens in front of its drafts (``Shape``). The engine asks it per
+micro-batch and hands the shape to the proposer with the rows (``ProposeItem.nodes``). A forced run costs no
+draft forward but widens every row's verify; the room is the width that maximises the step's expected
+tokens over its measured cost (``_chain_room``), so a few constrained rows among many unconstrained ones on
+a compute-bound device do not widen the step every other row pays for.
 
 Token trees (issue 15; ``tree_nodes`` > 0). The
 shape of a step is the chain of the chosen γ or a tree of n nodes grown to depth γ, for n on a ladder
