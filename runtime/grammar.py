@@ -47,8 +47,8 @@ def _shifts(device: torch.device) -> torch.Tensor:  # [32] int32
 def refused(mask: torch.Tensor,  # [..., W] int32 packed allowed-token bits
             vocab: int) -> torch.Tensor:  # [..., vocab] bool, True where the token is not allowed
     if mask.device.type == "cpu":
-        # numpy reads the words' bytes (little-endian: token 32·w + j is bit j of word w) in one pass, about
-        # twice as fast as shifting every word 32 ways; on a device the shifts run in one kernel.
+        # numpy reads the words' bytes (little-endian: token 32·w + j is bit j of word w) in one pass instead of
+        # shifting every word 32 ways into temporaries; on a device the shifts run in one kernel.
         words = np.ascontiguousarray(mask.numpy(), dtype="<i4").view(np.uint8)
         return torch.from_numpy(np.unpackbits(words, axis=-1, bitorder="little")[..., :vocab] == 0)
     return ((mask.unsqueeze(-1) >> _shifts(mask.device)) & 1).flatten(-2)[..., :vocab] == 0
