@@ -331,19 +331,24 @@ class GammaPolicy:
         gamma = self._chain(states, behind, remaining)
         return Shape(gamma, self._tree(len(states), gamma, sampled), self._chain_room(states, gamma, forced))
 
+    def _alphas(self, states: Sequence[GammaState]) -> list[float]:
+        """Each row's smoothed α, a fresh row's at the recent α of every row together."""
+        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
+        return [st.alpha(prior, self.prior_weight) for st in states]
+
     def _chain_room(self, states: Sequence[GammaState], gamma: int, forced: Sequence[int]) -> int:
         """The most tokens a row's chain may hold, a forced run in front of its γ drafts included. A forced run
         is nearly free to propose but not to verify: the verify is as wide as the longest chain, for every row.
         So the room is the k in [γ, γ_max] that maximises the step's expected tokens over its measured cost
         T(k + 1): a row with a run of f takes min(f, k) forced tokens, and drafts after a whole run up to k. On
         a device whose wider verify costs little (one row, a GPU) the runs go in whole; on a compute-bound
-        one at a large batch, a few constrained rows do not widen the step every other row pays for. Where no
-        cost was measured (or γ is fixed), runs go in whole."""
+        one at a large batch, a few constrained rows do not widen the step every other row pays for. T(k + 1)
+        is a step of k model drafts, which costs more than forced tokens do (no draft forward): the room errs
+        narrow. Where no cost was measured (or γ is fixed), runs go in whole."""
         if not any(forced) or not self.adaptive:
             return self.gamma_max
         bucket = self.costs.bucket(len(states))
-        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
-        alphas = [st.alpha(prior, self.prior_weight) for st in states]
+        alphas = self._alphas(states)
 
         def tokens(k: int) -> float:
             total = 0.0
@@ -414,8 +419,7 @@ class GammaPolicy:
         if not self.adaptive:
             return self.gamma
         bucket = self.costs.bucket(len(states))
-        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
-        alphas = [st.alpha(prior, self.prior_weight) for st in states]
+        alphas = self._alphas(states)
         if not self.allow_off:
             return max(range(self.gamma_min, self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
         if bucket.measure_plain:

@@ -255,8 +255,8 @@ def main() -> int:
                         help="with --structured: also this many rows at once, half constrained, against the same "
                              "batch unconstrained (0: not measured)")
     parser.add_argument("--mixed-rounds", type=int, default=21,
-                        help="interleaved rounds of --mixed-batch (a batch takes about a second, and the adaptive γ "
-                             "makes single rounds differ by ±10 %%)")
+                        help="interleaved rounds of --mixed-batch (the adaptive γ makes single rounds of the same "
+                             "batch differ by more than the cost measured)")
     args = parser.parse_args()
     if args.prompts < 1 or args.max_tokens < 1 or args.repeats < 1 or args.mixed_rounds < 1:
         parser.error("--prompts, --max-tokens, --repeats and --mixed-rounds must be ≥ 1")
