@@ -59,10 +59,10 @@ def unpack(mask: torch.Tensor,  # [..., W] int32 packed allowed-token bits
     return ~refused(mask, vocab)
 
 
-def apply_mask(logits: torch.Tensor,  # [..., V] float
+def apply_mask(logits: torch.Tensor,  # [..., V] float, masked in place
                mask: torch.Tensor,  # [..., W] int32 on logits' device
-               ) -> torch.Tensor:  # [..., V]: disallowed tokens at -inf
-    return logits.masked_fill(refused(mask, logits.shape[-1]), float("-inf"))
+               ) -> torch.Tensor:  # logits: disallowed tokens at -inf
+    return logits.masked_fill_(refused(mask, logits.shape[-1]), float("-inf"))
 
 
 def mask_rows(logits: torch.Tensor,  # [B, ..., V] float, masked in place
@@ -71,12 +71,12 @@ def mask_rows(logits: torch.Tensor,  # [B, ..., V] float, masked in place
               ) -> torch.Tensor:  # logits: those rows' disallowed tokens at -inf, the others as they were
     """The one place both stages mask logits: the draft per position, the verifier over γ + 1 positions. In
     place: both hand it logits of a forward that nothing else reads."""
-    no = refused(to_device(masks, logits.device), logits.shape[-1])
+    masks = to_device(masks, logits.device)
     with torch.inference_mode():  # the forwards' logits are inference tensors
         if len(rows) == logits.shape[0]:  # every row constrained (batch 1 among them): no gather, no scatter
-            return logits.masked_fill_(no, float("-inf"))
+            return apply_mask(logits, masks)
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        return logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(no, float("-inf")))
+        return logits.index_copy_(0, index, apply_mask(logits.index_select(0, index), masks))
 
 
 class Matcher(Protocol):
