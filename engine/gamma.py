@@ -118,24 +118,59 @@ class WidthCosts:
     more than 2× off the others', are read off a Theil–Sen line through the estimates (median of pairwise
     slopes, never negative; robust to a minority of bad widths); with one measured width the cost is flat in
     the width (Leviathan's assumption, until a second width is measured).
+
+    A bucket holds steps of several batch sizes (bucket 16: 9 to 16 rows), and widths are measured at
+    different times: the plain step on a schedule, a chain while the policy uses it. Compared as measured, a
+    plain step taken at 10 rows makes every chain taken at 16 look dearer than it is. So every sample is
+    scaled to the bucket's ``rows`` by T ∝ rows^β, with β the median of the slopes log(T₂/T₁) / log(r₂/r₁)
+    between recent steps of one width at batch sizes at least 25 % apart (``exponent``): the width's own
+    where it has such steps (a wider verify grows faster with the rows), else every width's, else 0; at
+    most 1.
     """
 
-    def __init__(self, window: int, min_samples: int, max_age: int):
+    def __init__(self, window: int, min_samples: int, max_age: int, rows: int = 1):
         self.window = window
         self.min_samples = min_samples
         self.max_age = max_age
+        self.rows = rows  # the batch size every sample is scaled to
         self.count = 0  # samples added, all widths: the clock of ``max_age``
-        self.samples: dict[int, deque[tuple[int, float]]] = {}
+        self.samples: dict[int, deque[tuple[int, float, int]]] = {}  # width → (count, seconds, rows)
+        self.recent: deque[tuple[int, int, float]] = deque(maxlen=8 * window)  # (width, rows, seconds)
         self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
+        self._exponents: dict[int, float] | None = None  # width → β (0: any width's), until add
 
-    def add(self, width: int, seconds: float) -> None:
+    def add(self, width: int, seconds: float, rows: int | None = None) -> None:
+        rows = rows or self.rows
         self.count += 1
-        self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds))
-        self._fit = None
+        self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
+        self.recent.append((width, rows, seconds))
+        self._fit = self._exponents = None
+
+    def exponent(self, width: int) -> float:
+        """β of T ∝ rows^β for steps of this width, from the recent steps (see the class docstring)."""
+        if self._exponents is None:
+            cells: dict[tuple[int, int], list[float]] = {}
+            for w, rows, seconds in self.recent:
+                cells.setdefault((w, rows), []).append(seconds)
+            quartiles = sorted((w, r, sorted(xs)[len(xs) // 4]) for (w, r), xs in cells.items())
+            slopes: dict[int, list[float]] = {}
+            for i, (w1, r1, t1) in enumerate(quartiles):
+                for w2, r2, t2 in quartiles[i + 1:]:
+                    if w1 == w2 and r2 >= 1.25 * r1 and t1 > 0 < t2:
+                        slopes.setdefault(w1, []).append(math.log(t2 / t1) / math.log(r2 / r1))
+            every = [x for xs in slopes.values() for x in xs]
+            self._exponents = {w: min(max(statistics.median(xs), 0.0), 1.0) for w, xs in slopes.items()}
+            self._exponents[0] = min(max(statistics.median(every), 0.0), 1.0) if every else 0.0
+        return self._exponents.get(width, self._exponents[0])
+
+    def scaled(self, width: int, seconds: float, rows: int) -> float:
+        """The seconds of a step of this width and ``rows`` rows, scaled to the bucket's batch size."""
+        return seconds * (self.rows / rows) ** self.exponent(width) if rows != self.rows else seconds
 
     def level(self, width: int) -> float | None:
-        """The lower quartile of the width's fresh samples (None below ``min_samples``)."""
-        fresh = sorted(x for n, x in self.samples.get(width, ()) if width == 1 or self.count - n < self.max_age)
+        """The lower quartile of the width's fresh samples, scaled (None below ``min_samples``)."""
+        fresh = sorted(self.scaled(width, x, r) for n, x, r in self.samples.get(width, ())
+                       if width == 1 or self.count - n < self.max_age)
         return fresh[len(fresh) // 4] if len(fresh) >= self.min_samples else None
 
     def levels(self) -> dict[int, float]:
@@ -221,19 +256,19 @@ class CostModel:
     def bucket(self, rows: int) -> BucketCosts:
         key = batch_bucket(rows)
         if key not in self.buckets:
-            self.buckets[key] = BucketCosts(WidthCosts(self.window, self.min_samples, self.max_age))
+            self.buckets[key] = BucketCosts(WidthCosts(self.window, self.min_samples, self.max_age, key))
         return self.buckets[key]
 
     def record(self, rows: int, drafted: int, seconds: float, tree: bool = False) -> None:
         """One decode step's wall time; ``drafted`` = 0 for a plain step, a tree's nodes for a tree step."""
         bucket = self.bucket(rows)
         if not tree:
-            bucket.seconds.add(drafted + 1, seconds)
+            bucket.seconds.add(drafted + 1, seconds, rows)
             self._memo.clear()
             return
         if bucket.trees is None:
-            bucket.trees = WidthCosts(self.window, self.min_samples, self.max_age)
-        bucket.trees.add(drafted + 1, seconds)
+            bucket.trees = WidthCosts(self.window, self.min_samples, self.max_age, bucket.seconds.rows)
+        bucket.trees.add(drafted + 1, seconds, rows)
 
     def relative_cost(self, rows: int, gamma: int) -> float | None:
         """Seconds of a step with γ drafts over a plain step's, at the nearest bucket that measured both."""
@@ -516,6 +551,7 @@ class GammaPolicy:
         predicted = bucket.step_seconds(drafted) if probe else None  # before this step moves it
         if seconds > 0 and not entry:
             self.costs.record(rows, drafted, seconds, tree=self._ladder_tree(drafted))
+        seconds = bucket.seconds.scaled(drafted + 1, seconds, rows)  # as the bucket's levels are
         if drafted == 0:
             bucket.since_plain = 0
             bucket.plain_run += 1

@@ -217,6 +217,26 @@ def test_width_costs_between_and_beyond_measured_widths():
     assert fixed_cost.predict(1) == 0.0035  # the yardstick keeps its own level, far below the line
 
 
+def test_width_costs_compare_widths_at_the_buckets_batch_size():
+    """Bucket 16 holds steps of 9 to 16 rows. A plain step measured only at 10 rows must not make a chain
+    measured at 16 look dearer than it is: samples are scaled to 16 rows by how steps grow with their rows.
+    Costs as measured on the embedded pair (1 thread): a step of w tokens per row at r rows takes a + b·r ms."""
+    line = {1: (6.4, 0.233), 3: (10.6, 0.833)}
+    cost = lambda width, rows: line[width][0] + line[width][1] * rows  # noqa: E731
+    truth = cost(3, 16) / cost(1, 16)  # 2.36
+    costs = WidthCosts(window=5, min_samples=3, max_age=100, rows=16)
+    for rows in (16, 16, 16, 10, 10, 10):  # the chain while the group's rows finish
+        costs.add(3, cost(3, rows), rows)
+    for _ in range(3):
+        costs.add(1, cost(1, 10), 10)  # the plain steps fell at 10 rows
+    assert cost(3, 16) / cost(1, 10) > 1.15 * truth  # as measured: 16 % too dear
+    assert costs.level(3) == pytest.approx(cost(3, 16))
+    # The plain width's own growth is not measured: it grows as the chain's does, which errs less (8 % cheap).
+    assert costs.predict(3) / costs.predict(1) == pytest.approx(truth, rel=0.1)
+    costs.add(1, cost(1, 16), 16)  # one plain step at 16 rows gives the plain width its own growth
+    assert costs.predict(3) / costs.predict(1) == pytest.approx(truth, rel=0.01)
+
+
 ALPHA_096 = lambda i, g: g if i % 25 else g // 2  # noqa: E731  every draft accepted but one in 25 steps
 
 
@@ -491,7 +511,7 @@ def test_engine_feeds_every_decode_step_to_the_cost_model(target):
     recorded = sorted({w for w, samples in bucket.seconds.samples.items() if samples})
     steady = [g for g, lag in zip(stages.gammas[1:], stages.caught_up[1:]) if lag <= policy.gamma_max + 2]
     assert recorded == sorted({g + 1 for g in steady})
-    slow = [x for samples in bucket.seconds.samples.values() for _, x in samples if x >= 0.2]
+    slow = [x for samples in bucket.seconds.samples.values() for _, x, _ in samples if x >= 0.2]
     assert len(slow) <= 1  # the prefill never; the slowed step once, if still in its window
     assert all(m < 0.2 for m in bucket.seconds.levels().values())
 
