@@ -27,10 +27,8 @@ seen). One γ serves a whole micro-batch: its verify is as wide as its longest c
 the widest, and what one row gains the batch pays for. The policy picks the
 γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
 batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
-reports what the policy actually picks. When even the best γ would not beat plain decoding (S < 1), at
-the rows' α and at the recent α of every row together (a row's α follows its last ~10 steps, and a stretch
-of rejections would otherwise turn off a draft that pays over the text), γ = 0 turns speculation off for
-the batch, and probes (every row drafts one token, in the same step)
+reports what the policy actually picks. When even the best γ would not beat plain decoding (S < 1),
+γ = 0 turns speculation off for the batch, and probes (every row drafts one token, in the same step)
 check whether it pays again: after 2, 4, 8, … plain steps of the bucket (at most ``probe_every``). A
 probe that measured a clearly cheaper step than the model believed is repeated at once, so a cost that
 really came down is taken up within a few steps. A probe also pays for the draft to catch up on every
@@ -463,7 +461,7 @@ class GammaPolicy:
             return 0
         best = max(range(max(1, self.gamma_min), self.gamma_max + 1), key=lambda g: self._speedup(alphas, g))
         was_off, bucket.off = bucket.off, False
-        if self._may_pay(alphas, best):
+        if self._speedup(alphas, best) >= 1.0:
             measured = self._measured_chains(bucket)
             # A width not measured (or aged out in a plain spell) is tried while speculating; while off, only
             # what a probe measured turns speculation on again, so probes stay as rare as they are spaced.
@@ -478,16 +476,6 @@ class GammaPolicy:
         bucket.off = True
         bucket.probing = bucket.probe_due and self._probe_affordable(bucket, behind)
         return max(1, self.gamma_min) if bucket.probing else 0
-
-    def _may_pay(self, alphas: Sequence[float], best: int) -> bool:
-        """Whether speculation may beat plain decoding: at the rows' α with their best γ, or at the recent α of
-        every row together with its own. A row's α follows its last ~10 steps (``decay``), so a stretch of
-        rejections pulls it far below what the draft accepts over the text; and off is sticky (only probes
-        observe α then). So the batch decodes plainly only where both say it cannot pay."""
-        if self._speedup(alphas, best) >= 1.0:
-            return True
-        recent = [self._recent.alpha(self.prior_alpha, self.prior_weight)] * len(alphas)
-        return any(self._speedup(recent, g) >= 1.0 for g in range(max(1, self.gamma_min), self.gamma_max + 1))
 
     def _entry(self, rows: int, caught_up: int) -> bool:
         """Whether a draft taking in ``caught_up`` tokens of ``rows`` rows at once is entering (rows back from a
