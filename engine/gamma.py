@@ -105,6 +105,11 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+def lower_quartile(xs: Sequence[float]) -> float:
+    """The cost estimate of a set of step times: other work on the machine only ever adds time."""
+    return sorted(xs)[len(xs) // 4]
+
+
 class WidthCosts:
     """Measured seconds of a step at one batch bucket, by width (tokens per row).
 
@@ -137,7 +142,8 @@ class WidthCosts:
         self.samples: dict[int, deque[tuple[int, float, int]]] = {}  # width → (count, seconds, rows)
         self.recent: deque[tuple[int, int, float]] = deque(maxlen=8 * window)  # (width, rows, seconds)
         self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
-        self._exponents: dict[int, float] | None = None  # width → β (0: any width's), until add
+        self._exponents: dict[int, float] | None = None  # width → β, until add
+        self._shared_exponent = 0.0  # every width's β, for widths with none of their own
 
     def add(self, width: int, seconds: float, rows: int | None = None) -> None:
         rows = rows or self.rows
@@ -152,7 +158,7 @@ class WidthCosts:
             cells: dict[tuple[int, int], list[float]] = {}
             for w, rows, seconds in self.recent:
                 cells.setdefault((w, rows), []).append(seconds)
-            quartiles = sorted((w, r, sorted(xs)[len(xs) // 4]) for (w, r), xs in cells.items())
+            quartiles = sorted((w, r, lower_quartile(xs)) for (w, r), xs in cells.items())
             slopes: dict[int, list[float]] = {}
             for i, (w1, r1, t1) in enumerate(quartiles):
                 for w2, r2, t2 in quartiles[i + 1:]:
@@ -160,8 +166,8 @@ class WidthCosts:
                         slopes.setdefault(w1, []).append(math.log(t2 / t1) / math.log(r2 / r1))
             every = [x for xs in slopes.values() for x in xs]
             self._exponents = {w: min(max(statistics.median(xs), 0.0), 1.0) for w, xs in slopes.items()}
-            self._exponents[0] = min(max(statistics.median(every), 0.0), 1.0) if every else 0.0
-        return self._exponents.get(width, self._exponents[0])
+            self._shared_exponent = min(max(statistics.median(every), 0.0), 1.0) if every else 0.0
+        return self._exponents.get(width, self._shared_exponent)
 
     def scaled(self, width: int, seconds: float, rows: int) -> float:
         """The seconds of a step of this width and ``rows`` rows, scaled to the bucket's batch size."""
@@ -169,9 +175,9 @@ class WidthCosts:
 
     def level(self, width: int) -> float | None:
         """The lower quartile of the width's fresh samples, scaled (None below ``min_samples``)."""
-        fresh = sorted(self.scaled(width, x, r) for n, x, r in self.samples.get(width, ())
-                       if width == 1 or self.count - n < self.max_age)
-        return fresh[len(fresh) // 4] if len(fresh) >= self.min_samples else None
+        fresh = [self.scaled(width, x, r) for n, x, r in self.samples.get(width, ())
+                 if width == 1 or self.count - n < self.max_age]
+        return lower_quartile(fresh) if len(fresh) >= self.min_samples else None
 
     def levels(self) -> dict[int, float]:
         return self.fit()[0]
