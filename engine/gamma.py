@@ -21,9 +21,14 @@ are.
 Before a bucket has measured a plain and a speculative step, the policy falls back to Leviathan's
 formula with the prior ``cost_ratio``.
 
-Per sequence the policy keeps a smoothed α (accepted / (accepted + rejections), with a prior so a fresh
-sequence starts at a moderate γ: the recent α of every row together, ``prior_alpha`` before any was
-seen). One γ serves a whole micro-batch: its verify is as wide as its longest chain, so every row pays for
+Per sequence the policy keeps a smoothed α (accepted / (accepted + rejections) over its last ~10 steps),
+shrunk toward a prior: the recent α of every row together (``prior_alpha`` before any was seen), worth
+``prior_weight`` observations. A fresh sequence starts there, and the prior keeps its weight: a row's own
+evidence is a handful of steps, and a short stretch of rejections in them is mostly noise around what the
+draft accepts over the text. Unshrunk, such a stretch turned speculation off where it paid (docs/results.md,
+"A row's α shrunk toward the workload's").
+
+One γ serves a whole micro-batch: its verify is as wide as its longest chain, so every row pays for
 the widest, and what one row gains the batch pays for. The policy picks the
 γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
 batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
@@ -46,12 +51,14 @@ tokens they are behind (``decide``'s ``behind`` and ``remaining``), and a probe 
 plain steps since the last one cover that price at ``probe_share``.
 
 The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
-step, Y(w), over the width's last few steps). Where the γ the model picks was measured (fresh samples of its
-width) at fewer tokens per second than a plain step, Y(w) / T(w) < (1 − ``margin``) / T(1), the policy takes
-the fastest measured chain that does pay instead, and decodes plainly (probing as above) where none does: a
-draft whose acceptance the model overrates, or a verify whose width costs more than the line through the
-measured widths says, switches speculation off within a few steps and keeps it off while it loses. Stale
-measurements age out (``max_age``), so a width that lost in one spell is tried again in another.
+step, Y(w), over the width's last ``yield_window`` steps: the policy turns a width off after a few steps
+that yielded little, so a short window would keep exactly those, and judge the width by its worst
+stretch). Where the γ the model picks was measured (fresh samples of its width) at fewer tokens per second
+than a plain step, Y(w) / T(w) < (1 − ``margin``) / T(1), the policy takes the fastest measured chain
+that does pay instead, and decodes plainly (probing as above) where none does: a draft whose acceptance
+the model overrates, or a verify whose width costs more than the line through the measured widths says,
+switches speculation off within a few steps and keeps it off while it loses. Stale measurements age out
+(``max_age``), so a width that lost in one spell is tried again in another.
 
 To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
 (``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
@@ -253,6 +260,7 @@ class CostModel:
     """Measured step costs per batch-size bucket (``batch_bucket``: 1, 2, 4, 8, …)."""
 
     window: int = 5  # samples per width (see WidthCosts)
+    yield_window: int = 16  # tokens per row of a width's last steps (see the module docstring)
     min_samples: int = 3
     max_age: int = 64  # samples after which a speculative width's old ones are dropped
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
@@ -306,7 +314,7 @@ class Shape:
 class GammaState:
     accepted: float = 0.0
     rejections: float = 0.0
-    prior: float = 1.0  # share of the prior's weight left; fades with the evidence (see ``observe``)
+    prior: float = 1.0  # share of the prior's weight left: a row's stays whole (see ``observe``)
 
     def alpha(self, prior_alpha: float, prior_weight: float) -> float:
         weight = prior_weight * self.prior
@@ -321,7 +329,7 @@ class GammaPolicy:
     adaptive: bool = False
     allow_off: bool = True  # adaptive only: γ = 0 when speculation cannot pay
     prior_alpha: float = 0.6  # a fresh sequence's α until the policy has observed any
-    prior_weight: float = 4.0
+    prior_weight: float = 8.0  # observations' worth of the prior in a row's α (see the module docstring)
     decay: float = 0.9  # exponential forgetting so α follows the text (JSON keys vs values, say)
     # forgetting of the acceptance of every row together, per row step: a fresh sequence's prior α, so rows of a
     # workload whose draft agrees well do not each start at a guess that turns speculation off at a large batch
@@ -533,10 +541,11 @@ class GammaPolicy:
         for st, decay in ((state, self.decay), (self._recent, self.recent_decay)):
             st.accepted = st.accepted * decay + accepted
             st.rejections = st.rejections * decay + (1 if accepted < proposed else 0)
-            # The prior decays like old evidence. Kept at full weight, it would outweigh the at most
-            # 1 / (1 − decay) rejections the decayed counts can hold: with the defaults α could never fall
-            # below ~0.17, so a draft that never agrees would keep γ ≥ 1 whenever c < 0.17.
-            st.prior *= decay
+        # ``prior_alpha`` is a guess, so in the recent α of every row together it decays like old evidence: kept
+        # at full weight, it would outweigh the at most 1 / (1 − decay) rejections the decayed counts hold, and
+        # a draft that never agrees would keep γ ≥ 1 where drafts are cheap. A row's prior is that measured α,
+        # which follows such a draft down, so it keeps its weight.
+        self._recent.prior *= self.recent_decay
 
     def observe_step(self, rows: int, drafted: int, seconds: float, caught_up: int = 0) -> None:
         """Feed one decode step's wall time (not a step that prefilled a prompt: that is not what a decode
@@ -547,7 +556,7 @@ class GammaPolicy:
         bucket.steps += 1
         if len(self._emitted) >= rows:  # the step's rows were observed last
             recent = list(self._emitted)[-rows:]
-            bucket.yields.setdefault(drafted + 1, deque(maxlen=self.costs.window)).append(
+            bucket.yields.setdefault(drafted + 1, deque(maxlen=self.costs.yield_window)).append(
                 (bucket.steps, sum(recent) / rows))
         self._emitted.clear()
         # A draft more than a step behind first catches up: an entry cost, paid once per spell, that must not
