@@ -182,9 +182,7 @@ class WidthCosts:
 
     def level(self, width: int) -> float | None:
         """The lower quartile of the width's fresh samples, scaled (None below ``min_samples``)."""
-        fresh = [self.scaled(width, x, r) for n, x, r in self.samples.get(width, ())
-                 if width == 1 or self.count - n < self.max_age]
-        return lower_quartile(fresh) if len(fresh) >= self.min_samples else None
+        return self.fit()[0].get(width)
 
     def levels(self) -> dict[int, float]:
         return self.fit()[0]
@@ -192,7 +190,11 @@ class WidthCosts:
     def fit(self) -> tuple[dict[int, float], float, float]:
         """The trusted levels by width, and the Theil–Sen line through them (slope, intercept)."""
         if self._fit is None:
-            known = {w: m for w in sorted(self.samples) if (m := self.level(w)) is not None}
+            known = {}
+            for w, samples in sorted(self.samples.items()):
+                fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self.count - n < self.max_age]
+                if len(fresh) >= self.min_samples:
+                    known[w] = lower_quartile(fresh)
             ws = list(known)
             slopes = [(known[b] - known[a]) / (b - a) for i, a in enumerate(ws) for b in ws[i + 1:]]
             slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
