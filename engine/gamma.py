@@ -316,11 +316,9 @@ class Shape:
 class GammaState:
     accepted: float = 0.0
     rejections: float = 0.0
-    prior: float = 1.0  # share of the prior's weight left: a row's stays whole (see ``observe``)
 
     def alpha(self, prior_alpha: float, prior_weight: float) -> float:
-        weight = prior_weight * self.prior
-        return (self.accepted + prior_alpha * weight) / (self.accepted + self.rejections + weight)
+        return (self.accepted + prior_alpha * prior_weight) / (self.accepted + self.rejections + prior_weight)
 
 
 @dataclass
@@ -350,6 +348,7 @@ class GammaPolicy:
     tree_nodes: int = 0  # the largest token tree (0: chains only)
     costs: CostModel = field(default_factory=CostModel)
     _recent: GammaState = field(default_factory=GammaState, repr=False)  # every row's acceptance, recent
+    _recent_prior: float = field(default=1.0, repr=False)  # share of ``prior_weight`` left in ``_recent``
     # tokens emitted per row (accepted + 1) by ``observe``, attributed to the step's width by ``observe_step``
     _emitted: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
@@ -384,7 +383,7 @@ class GammaPolicy:
 
     def _alphas(self, states: Sequence[GammaState]) -> list[float]:
         """Each row's smoothed α, a fresh row's at the recent α of every row together."""
-        prior = self._recent.alpha(self.prior_alpha, self.prior_weight)
+        prior = self._recent.alpha(self.prior_alpha, self.prior_weight * self._recent_prior)
         return [st.alpha(prior, self.prior_weight) for st in states]
 
     def _chain_room(self, states: Sequence[GammaState], gamma: int, forced: Sequence[int]) -> int:
@@ -547,7 +546,7 @@ class GammaPolicy:
         # at full weight, it would outweigh the at most 1 / (1 − decay) rejections the decayed counts hold, and
         # a draft that never agrees would keep γ ≥ 1 where drafts are cheap. A row's prior is that measured α,
         # which follows such a draft down, so it keeps its weight.
-        self._recent.prior *= self.recent_decay
+        self._recent_prior *= self.recent_decay
 
     def observe_step(self, rows: int, drafted: int, seconds: float, caught_up: int = 0) -> None:
         """Feed one decode step's wall time (not a step that prefilled a prompt: that is not what a decode
