@@ -17,7 +17,8 @@ where T(w) is the wall time of a decode step whose verify holds w tokens per row
 plain step), drafting and bookkeeping included. T is a low quantile over a short window of measured
 steps per width, so one noisy step (a GC pause, another process on the core) cannot move it, and a
 lasting change moves it after a few steps; widths not measured lie on a robust line through those that
-are.
+are, and a chain width measured while the machine ran slower or faster is read at its current speed
+(``WidthCosts``).
 Before a bucket has measured a plain and a speculative step, the policy falls back to Leviathan's
 formula with the prior ``cost_ratio``.
 
@@ -138,6 +139,16 @@ class WidthCosts:
     between recent steps of one width at batch sizes at least 25 % apart (``exponent``): the width's own
     where it has such steps (a wider verify grows faster with the rows), else every width's, else 0; at
     most 1.
+
+    The machine's speed drifts too: on a shared host the same step can take 12 ms one second and 20 ms the
+    next. Compared as measured, a chain width last run in a slow spell looks dearer than the width in use, and
+    the policy keeps away from it until it ages out. So the speculative widths are kept at one ``pace``: a
+    step's seconds over its width's level is the pace it ran at (steps at the bucket's own batch size only: a
+    scaling's error is no pace), the pace is the lower quartile of the last ``window`` of those (the level's own
+    statistic: with one width in use, a lasting change moves it after 4 steps as before), and a speculative
+    sample is kept divided by it, so a width measured in another spell is read at this one's speed. The plain
+    step stays as measured: it is the yardstick, and a change in what speculating costs against it (a slower
+    draft) must show, not pass for the machine's pace.
     """
 
     def __init__(self, window: int, min_samples: int, max_age: int, rows: int = 1):
@@ -151,9 +162,18 @@ class WidthCosts:
         self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
         self._exponents: dict[int, float] | None = None  # width → β, until add
         self._shared_exponent = 0.0  # every width's β, for widths with none of their own
+        self.pace = 1.0  # the machine's speed now over the one the samples are kept at (see the docstring)
+        # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
+        self._paces: deque[float] = deque([1.0] * window, maxlen=window)
 
     def add(self, width: int, seconds: float, rows: int | None = None) -> None:
         rows = rows or self.rows
+        if width > 1:
+            level = self.fit()[0].get(width)
+            if level and rows == self.rows:  # a step of other rows is scaled, and a scaling's error is no pace
+                self._paces.append(seconds / level * self.pace)
+                self.pace = lower_quartile(self._paces)
+            seconds /= self.pace
         self.count += 1
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
         self.recent.append((width, rows, seconds))
@@ -181,20 +201,22 @@ class WidthCosts:
         return seconds * (self.rows / rows) ** self.exponent(width) if rows != self.rows else seconds
 
     def level(self, width: int) -> float | None:
-        """The lower quartile of the width's fresh samples, scaled (None below ``min_samples``)."""
+        """The lower quartile of the width's fresh samples, scaled, at the current pace (None below
+        ``min_samples``)."""
         return self.fit()[0].get(width)
 
     def levels(self) -> dict[int, float]:
         return self.fit()[0]
 
     def fit(self) -> tuple[dict[int, float], float, float]:
-        """The trusted levels by width, and the Theil–Sen line through them (slope, intercept)."""
+        """The trusted levels by width at the current pace, and the Theil–Sen line through them (slope,
+        intercept)."""
         if self._fit is None:
             known = {}
             for w, samples in sorted(self.samples.items()):
                 fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self.count - n < self.max_age]
                 if len(fresh) >= self.min_samples:
-                    known[w] = lower_quartile(fresh)
+                    known[w] = lower_quartile(fresh) * (self.pace if w > 1 else 1.0)
             ws = list(known)
             slopes = [(known[b] - known[a]) / (b - a) for i, a in enumerate(ws) for b in ws[i + 1:]]
             slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
@@ -236,12 +258,14 @@ class BucketCosts:
     measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
     off: bool = False  # the last decision found no chain that pays: plain steps and probes
     yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
-    # an entry's draft seconds per token the draft caught up on (``GammaPolicy.observe_catch_up``)
+    # an entry's draft seconds per token the draft caught up on (``GammaPolicy.observe_catch_up``), at the pace
+    # the step costs are kept at
     catch_up: deque = field(default_factory=lambda: deque(maxlen=5))
 
     def catch_up_seconds(self) -> float | None:
-        """The draft's seconds per caught-up token: the median of the last entries (None: none measured)."""
-        return statistics.median(self.catch_up) if self.catch_up else None
+        """The draft's seconds per caught-up token: the median of the last entries, at the current pace (None:
+        none measured)."""
+        return statistics.median(self.catch_up) * self.seconds.pace if self.catch_up else None
 
     def tokens_per_row(self, width: int, min_samples: int, max_age: int) -> float | None:
         """Mean tokens a row emitted per step at this verify width, over its fresh samples."""
@@ -590,7 +614,8 @@ class GammaPolicy:
         ``draft_seconds`` (its drafting included, a small share when it enters): an entry's seconds per token,
         at the bucket. Prefill steps count: a new row's draft prefill is an entry too."""
         if draft_seconds > 0 and self._entry(rows, caught_up):
-            self.costs.bucket(rows).catch_up.append(draft_seconds / caught_up)
+            bucket = self.costs.bucket(rows)
+            bucket.catch_up.append(draft_seconds / caught_up / bucket.seconds.pace)
 
     def _probe_step(self, bucket: BucketCosts, drafted: int, seconds: float, entry: bool,
                     predicted: float | None) -> None:

@@ -243,6 +243,23 @@ def test_width_costs_ignore_slow_spells_and_follow_a_lasting_change():
     assert costs.level(2) is None and costs.level(4) == 2.0  # not run for max_age samples: forgotten
 
 
+def test_width_costs_read_a_width_measured_in_a_slow_spell_at_the_machines_current_speed():
+    """Steps as measured on this VM: widths 2 and 3 (γ = 1, 2 at batch 2) cost 1.13 and 1.43 plain steps, and
+    the machine ran 1.4× slower for a while. Both widths were measured in the slow spell; width 2 stayed in use
+    as the machine came back. Read as measured, width 3 looks 1.77× as dear as width 2 (it is 1.27×) until its
+    samples age out, and the policy keeps away from it. The plain step, the yardstick, stays as measured."""
+    costs = WidthCosts(window=5, min_samples=3, max_age=100)
+    for _ in range(5):
+        costs.add(1, 1.4)
+        costs.add(2, 1.13 * 1.4)
+        costs.add(3, 1.43 * 1.4)
+    for _ in range(5):
+        costs.add(2, 1.13)
+    assert costs.level(2) == pytest.approx(1.13)
+    assert costs.level(3) / costs.level(2) == pytest.approx(1.43 / 1.13)
+    assert costs.level(1) == pytest.approx(1.4)  # not re-measured since the spell: it is what it was
+
+
 def test_width_costs_between_and_beyond_measured_widths():
     verify = WidthCosts(window=5, min_samples=1, max_age=100)
     verify.add(3, 2.0)
