@@ -162,7 +162,7 @@ class WidthCosts:
         self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
         self._exponents: dict[int, float] | None = None  # width → β, until add
         self._shared_exponent = 0.0  # every width's β, for widths with none of their own
-        self.pace = 1.0  # the machine's speed now over the one the samples are kept at (see the docstring)
+        self.pace = 1.0  # a step's seconds now over the seconds it is kept at (> 1: a slower spell; see the docstring)
         # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
         self._paces: deque[float] = deque([1.0] * window, maxlen=window)
 
