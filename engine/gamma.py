@@ -148,7 +148,10 @@ class WidthCosts:
     statistic: with one width in use, a lasting change moves it after 4 steps as before), and a speculative
     sample is kept divided by it, so a width measured in another spell is read at this one's speed. The plain
     step stays as measured: it is the yardstick, and a change in what speculating costs against it (a slower
-    draft) must show, not pass for the machine's pace.
+    draft) must show, not pass for the machine's pace. In a plain spell (the latest step plain) no chain step
+    says what pace the machine runs at, and the plain step would then move alone: a slower spell would make
+    every chain look cheaper than it is, and turn speculation on at a loss. So there the speculative widths
+    follow the plain step's level from where it stood at the last chain step.
     """
 
     def __init__(self, window: int, min_samples: int, max_age: int, rows: int = 1):
@@ -165,15 +168,20 @@ class WidthCosts:
         self.pace = 1.0  # a step's seconds now over the seconds it is kept at (> 1: a slower spell; see the docstring)
         # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
         self._paces: deque[float] = deque([1.0] * window, maxlen=window)
+        self._plain_spell = False  # the latest step was plain
+        self._plain_then: float | None = None  # the plain step's level at the latest chain step
 
     def add(self, width: int, seconds: float, rows: int | None = None) -> None:
         rows = rows or self.rows
+        if self._plain_spell != (width == 1):
+            self._plain_spell, self._fit = width == 1, None
         if width > 1:
             level = self.fit()[0].get(width)
             if level and rows == self.rows:  # a step of other rows is scaled, and a scaling's error is no pace
                 self._paces.append(seconds / level * self.pace)
                 self.pace = lower_quartile(self._paces)
             seconds /= self.pace
+            self._plain_then = self.fit()[0].get(1)
         self.count += 1
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
         self.recent.append((width, rows, seconds))
@@ -216,13 +224,17 @@ class WidthCosts:
             for w, samples in sorted(self.samples.items()):
                 fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self.count - n < self.max_age]
                 if len(fresh) >= self.min_samples:
-                    known[w] = lower_quartile(fresh) * (self.pace if w > 1 else 1.0)
+                    known[w] = lower_quartile(fresh) * (self.pace * self._drift(known) if w > 1 else 1.0)
             ws = list(known)
             slopes = [(known[b] - known[a]) / (b - a) for i, a in enumerate(ws) for b in ws[i + 1:]]
             slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
             intercept = statistics.median(known[w] - slope * w for w in ws) if ws else 0.0
             self._fit = known, slope, intercept
         return self._fit
+
+    def _drift(self, known: dict[int, float]) -> float:
+        """In a plain spell, the plain step's level over where it stood at the last chain step (else 1)."""
+        return known[1] / self._plain_then if self._plain_spell and self._plain_then and 1 in known else 1.0
 
     def predict(self, width: int) -> float | None:
         known, slope, intercept = self.fit()

@@ -7,6 +7,7 @@ speculation pays again.
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -258,6 +259,30 @@ def test_width_costs_read_a_width_measured_in_a_slow_spell_at_the_machines_curre
     assert costs.level(2) == pytest.approx(1.13)
     assert costs.level(3) / costs.level(2) == pytest.approx(1.43 / 1.13)
     assert costs.level(1) == pytest.approx(1.4)  # not re-measured since the spell: it is what it was
+
+
+def test_a_slower_spell_while_off_does_not_make_measured_chains_look_cheap():
+    """The real-shaped pair at batch 4, α ≈ 0.55 (traced in the benchmark): a chain step costs 1.8 plain steps,
+    so the bucket decodes plainly. Then the machine runs 1.3× slower for a while. The plain step's level follows
+    it, while the chains keep the levels they were measured at: read as measured, γ = 1 would cost 1.38 plain
+    steps and pay, and speculation came on without a probe, paying the draft's catch-up and a few dear steps.
+    In a plain spell the chains follow the plain step instead, so only probes speculate."""
+    policy = GammaPolicy(adaptive=True)
+    bucket = policy.costs.bucket(4)
+    states = [GammaState() for _ in range(4)]
+    draws = random.Random(7)
+    unprobed = []
+    for i in range(160):
+        gamma = policy.decide(states).gamma
+        if gamma and not bucket.probing and i >= 60:
+            unprobed.append(i)
+        for st in states:
+            policy.observe(st, gamma, next((k for k in range(gamma) if draws.random() > 0.55), gamma))
+        speed = 1.3 if i >= 60 else 1.0
+        policy.observe_step(4, gamma, speed * (1.0 + 0.6 * gamma + 0.2 * (gamma > 0)))
+        if i == 59:
+            assert bucket.off  # γ = 1 yields ~1.55 tokens for 1.8 plain steps
+    assert unprobed == []
 
 
 def test_width_costs_between_and_beyond_measured_widths():
