@@ -7,7 +7,7 @@ responsive), one call at a time in submission order, since a runner's KV pool is
 thread also means one OpenMP team: torch's intra-op threads belong to the thread that starts parallel
 work, and with a pool of threads taking turns each would keep its own team spinning beside the others.
 
-In worker mode (``ClusterConfig.worker_stages``: ``router.transport`` 'compiled' or 'actor') the replica
+In worker mode (``ClusterConfig.worker_stages``: ``router.transport`` 'compiled') the replica
 holds no model: it starts a ``StageWorker`` on its own node, under the name the router's
 ``WorkerDirectory`` finds it by, waits until the worker's model is loaded, and forwards the frames of
 Serve-handle calls (the router's fallback, the fidelity monitor) to it as they came. The worker dies with

@@ -9,13 +9,12 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
   loopback; the ingress replica serves HTTP itself, on a port of its own, without Serve's proxy),
   requests through its OpenAI HTTP API, once per layout (``--placements``: ``offload`` = a
   draft-pool replica, the default config; ``compiled`` = the same, with ``router.transport: compiled``
-  (every step's frames through compiled-graph channels to the stage replicas' workers); ``actor`` = the
-  same over direct actor calls to those workers; ``colocated`` =
+  (every step's frames through compiled-graph channels to the stage replicas' workers); ``colocated`` =
   the draft inside the verifier replica; ``local`` = ``router.stages: local``, both models inside the
   router replica, no Serve call per step);
 - served plain: the same app with ``draft.kind: none``, once for each kind of layout asked for: remote
-  stages over handles (for a placement with handles), over compiled channels or actor calls (for
-  ``compiled`` / ``actor``), and local stages (for ``local``).
+  stages over handles (for a placement with handles), over compiled channels (for ``compiled``), and local
+  stages (for ``local``).
 
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
