@@ -19,8 +19,8 @@ How much to speculate is the γ policy's one decision (``GammaPolicy.decide``, `
 micro-batch, γ (0: a plain step) and the token tree's node budget, from the step costs and yields it is fed
 after every decode step. A caller-seeded sampled row keeps the fixed γ, so its sample never depends on timing,
 and a row the draft lost (a replica that never held it, or one that did not answer) is drafted once more, with
-its whole history, before it is verified (and waits for the group's next turn if that fails too): verified
-without its drafts, its sample would change from there on.
+its whole history, before it is verified (and, if that fails too, waits for the group's next turns, up to
+``seeded_draft_wait_s``): verified without its drafts, its sample would change from there on.
 
 Structured outputs (issue 31): a request with a ``grammar`` gets its own matcher, advanced here on committed
 tokens only. The draft masks its q with it (``ProposeItem.matcher``), the verifier masks the target's
@@ -75,6 +75,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     failures: int = 0  # consecutive verify steps that could not run for this sequence
+    draft_lost_at: float | None = None  # monotonic time the draft first lost this seeded row, in a row of losses
     text: str | None = None  # output text cut at a stop string, when one matched
     # Sampled with the caller's seed: drafts the configured γ, never a measured-cost one. The emitted
     # sample depends on the draft length, so a timing-driven γ would break "same seed, same sample".
@@ -173,10 +174,12 @@ class LocalStages:
 
 
 class Engine:
+    _DRAFT_RETRY_S = 0.02  # a group whose rows all wait for their drafts tries again after this long
+
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3, draft_num: int = 1,
+                 max_failures: int = 3, seeded_draft_wait_s: float = 30.0, draft_num: int = 1,
                  first_seq_id: int = 0, forced_tokens: bool = True, kv_blocks: int | None = None,
                  kv_block_size: int = 16):
         self.stages = stages
@@ -188,6 +191,9 @@ class Engine:
         self.detokenize = detokenize
         self.speculate = speculate
         self.max_failures = max_failures
+        # How long a caller-seeded row waits for a draft that keeps losing it before it is verified without
+        # drafts (its sample may then change). Time, not turns: a pool marked down fails every call at once.
+        self.seeded_draft_wait_s = seeded_draft_wait_s
         if draft_num < 1:
             raise ValueError(f"draft_num must be >= 1, got {draft_num}")
         self.draft_num = draft_num  # candidate chains per row and step, merged into a tree (engine.candidates)
@@ -274,24 +280,26 @@ class Engine:
             pending = self._submit_propose(k, batch)
         t0 = time.perf_counter()
         proposal: ProposalBatch = pending[0].result().select([s.seq_id for s in batch])
-        lost = [s for s in batch if s.seeded and s.seq_id in proposal.resync]
-        if lost:
+        if self._lost_seeded(batch, proposal):
             # A caller-seeded sample depends on what was drafted: a row verified without its drafts (the draft
             # replica lost it, or did not answer) would change the sample from here on. Draft the batch once
             # more, those rows with their whole history, before verifying.
-            for s in lost:
-                s.proposer_base = 0
             pending = self._submit_propose(k, batch)
             proposal = pending[0].result().select([s.seq_id for s in batch])
             self.seeded_redrafts += 1
-            # Lost again (the draft failed twice): such a row waits for the group's next turn rather than be
-            # verified without drafts, up to max_failures turns in a row (then its sample may change).
-            again = {s.seq_id for s in lost if s.seq_id in proposal.resync and s.failures < self.max_failures}
-            if again:
-                for s in lost:
-                    s.failures += s.seq_id in again
-                batch = [s for s in batch if s.seq_id not in again]
+            # Lost in the redraft (the draft failed twice, or another replica took a row the first call held):
+            # such a row waits for the group's next turn rather than be verified without drafts, for up to
+            # seeded_draft_wait_s (then its sample may change).
+            now = time.monotonic()
+            waiting = set()
+            for s in self._lost_seeded(batch, proposal):
+                s.draft_lost_at = s.draft_lost_at or now
+                if now - s.draft_lost_at < self.seeded_draft_wait_s:
+                    waiting.add(s.seq_id)
+            if waiting:
+                batch = [s for s in batch if s.seq_id not in waiting]
                 if not batch:
+                    time.sleep(self._DRAFT_RETRY_S)  # the pool is failing every call: do not spin on it
                     return events
                 proposal = proposal.select([s.seq_id for s in batch])
         caught_up = sum(s.draft_lag for s in batch)
@@ -314,6 +322,14 @@ class Engine:
                                      caught_up=caught_up)
         events.extend(committed)
         return events
+
+    @staticmethod
+    def _lost_seeded(batch: list[Sequence], proposal: ProposalBatch) -> list[Sequence]:
+        """The caller-seeded rows of ``batch`` the draft lost in ``proposal``, set to resend their whole history."""
+        lost = [s for s in batch if s.seeded and s.seq_id in proposal.resync]
+        for s in lost:
+            s.proposer_base = 0
+        return lost
 
     def _submit_propose(self, shard: int, batch: list[Sequence]) -> tuple[Pending, list[int]]:
         runs = [self._forced(seq) for seq in batch]
@@ -430,6 +446,7 @@ class Engine:
                     done.append(seq)
                 continue
             seq.failures = 0
+            seq.draft_lost_at = None
             seq.verifier_base = len(seq.tokens) + len(emitted)  # the verifier committed them itself
             new = self._append(seq, emitted)
             # Forced tokens are not the draft's: they count apart and teach the γ policy nothing about α. The

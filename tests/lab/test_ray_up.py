@@ -123,8 +123,10 @@ def test_200_requests_match_the_in_process_engine(cluster):
         expected = want[sampled][i]
         if (tok.decode(expected, skip_special_tokens=True) if stream else expected) != got:
             wrong.append((i, sampled, stream, got, expected))
-    print(f"{len(jobs)} requests in {elapsed:.1f} s, {len(wrong)} differ")
-    assert len(jobs) == 200 and not wrong, wrong[:3]
+    _, stats = cluster.get("/debug/stats", timeout_s=30)  # the draft's fallbacks explain a seeded row that differs
+    drafts = {k: stats.get(k) for k in ("fallback_reasons", "seeded_redrafts", "verifier_resyncs")}
+    print(f"{len(jobs)} requests in {elapsed:.1f} s, {len(wrong)} differ; {drafts}")
+    assert len(jobs) == 200 and not wrong, (drafts, wrong[:3])
 
 
 def _from_outsider(cluster, command: str, timeout_s: float = 90):

@@ -163,33 +163,88 @@ def test_seeded_sample_survives_a_draft_that_lost_the_sequence(target, noisy_dra
     assert engine.output(seq_id).tokens == reference
 
 
-def test_seeded_sample_waits_for_a_draft_that_lost_the_sequence_twice(target, noisy_draft, prompts):
-    """The draft loses the sequence and then the redraft too: the seeded row waits for its group's next turn
-    instead of being verified without drafts, so its sample is still the one it would have been."""
+class _Failing:
+    """A draft pool that answers resync (it never held the row, or was marked down) to the next ``fail`` calls."""
+
+    def __init__(self, proposer):
+        self.proposer, self.fail, self.calls = proposer, 0, 0
+
+    def propose(self, items):
+        self.calls += 1
+        if self.fail:
+            self.fail -= 1
+            ids = [it.sync.seq_id for it in items]
+            return ProposalBatch.empty(ids, ids)
+        return self.proposer.propose(items)
+
+    def release(self, seq_ids):
+        self.proposer.release(seq_ids)
+
+
+def _seeded_run_with_failing_draft(target, noisy_draft, prompts, fail: int, wait_s: float | None = None):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=4321)
     request = Request(prompts[3], max_tokens=MAX_NEW, sampling=params)
     reference = make_engine(target, noisy_draft, gamma=3).generate([request])[0].tokens
     engine = make_engine(target, noisy_draft, gamma=3)
-    proposer, forget = engine.stages.proposer, []
-
-    class Forgetful:
-        def propose(self, items):
-            if forget:  # a draft replica that answers resync (it never held the row, or the call failed)
-                forget.pop()
-                ids = [it.sync.seq_id for it in items]
-                return ProposalBatch.empty(ids, ids)
-            return proposer.propose(items)
-
-        def release(self, seq_ids):
-            proposer.release(seq_ids)
-
-    engine.stages.proposer = Forgetful()
+    if wait_s is not None:
+        engine.seeded_draft_wait_s = wait_s
+    draft = engine.stages.proposer = _Failing(engine.stages.proposer)
     seq_id = engine.add(request)
     steps = 0
     while engine.has_work:
         engine.step()
         steps += 1
         if steps == 3:
-            forget.extend([1, 1])  # the next propose and its redraft both lose the sequence
-    assert not forget and engine.seeded_redrafts >= 1
-    assert engine.output(seq_id).tokens == reference
+            draft.fail = fail
+    assert engine.seeded_redrafts >= 1
+    return engine.output(seq_id).tokens, reference, draft.fail
+
+
+@pytest.mark.parametrize("fail", [2, 12])
+def test_seeded_sample_waits_for_a_draft_that_keeps_losing_the_sequence(target, noisy_draft, prompts, fail):
+    """The draft loses the sequence and then the redraft too (2 calls), or fails every call for six turns
+    (12), as a pool marked down does, at once: the seeded row waits for its group's next turns instead of
+    being verified without drafts, so its sample is still the one it would have been."""
+    tokens, reference, unused = _seeded_run_with_failing_draft(target, noisy_draft, prompts, fail)
+    assert unused == 0 and tokens == reference
+
+
+def test_seeded_rows_survive_a_redraft_that_loses_a_row_the_first_draft_held(target, noisy_draft, prompts):
+    """Two seeded rows in one micro-batch. The draft loses the first; the redraft goes to a replica that holds
+    neither and loses the second (Serve moved the part to another replica between the calls). Both still
+    wait for their drafts, so both samples are the ones they would have been."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=seed) for seed in (4321, 99)]
+    requests = [Request(prompts[i], max_tokens=MAX_NEW, sampling=p) for i, p in zip((3, 5), params)]
+    reference = [o.tokens for o in make_engine(target, noisy_draft, gamma=3).generate(requests)]
+    engine = make_engine(target, noisy_draft, gamma=3)
+    proposer, lose = engine.stages.proposer, []
+
+    class Moving:
+        def propose(self, items):
+            gone = lose.pop(0) if lose else set()
+            ids = [it.sync.seq_id for it in items]
+            held = [it for it in items if it.sync.seq_id not in gone]
+            lost = [i for i in ids if i in gone]  # answered resync: this replica never held them
+            parts = [proposer.propose(held)] if held else []
+            return ProposalBatch.concat(parts + [ProposalBatch.empty(lost, lost)]).select(ids) if lost else parts[0]
+
+        def release(self, seq_ids):
+            proposer.release(seq_ids)
+
+    engine.stages.proposer = Moving()
+    ids = [engine.add(r) for r in requests]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == 3:
+            lose.extend([{ids[0]}, {ids[1]}])
+    assert not lose and engine.seeded_redrafts >= 1
+    assert [engine.output(i).tokens for i in ids] == reference
+
+
+def test_a_seeded_row_stops_waiting_for_a_draft_that_never_answers(target, noisy_draft, prompts):
+    """Waiting for the draft is bounded in time: past ``seeded_draft_wait_s`` the row decodes target-only
+    (its sample may change) rather than hang."""
+    tokens, _, unused = _seeded_run_with_failing_draft(target, noisy_draft, prompts, fail=1000, wait_s=0.05)
+    assert unused > 0 and len(tokens) == MAX_NEW
