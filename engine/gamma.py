@@ -49,7 +49,8 @@ back on. Entries are priced on their own: the draft's seconds per caught-up toke
 prefills included). Where a step's rows would first have to be caught up (new rows, a plain spell), the
 batch speculates only if the expected saving over the rows' remaining tokens exceeds that price times the
 tokens they are behind (``decide``'s ``behind`` and ``remaining``), and a probe that is due waits until the
-plain steps since the last one cover that price at ``probe_share``.
+plain steps since the last one cover that price at ``probe_share``. Rows kept plain by their entry count as
+off: what the bucket measured may age out meanwhile, and only a probe turns speculation on again.
 
 The model's α is an estimate; what a step of width w really yields is measured too (tokens a row emitted per
 step, Y(w), over the width's last ``yield_window`` steps: the policy turns a width off after a few steps
@@ -268,7 +269,7 @@ class BucketCosts:
     probe_steps: int = 0  # its drafted steps so far
     probe_extra: float = 0.0  # its seconds beyond a plain step's, so far
     measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
-    off: bool = False  # the last decision found no chain that pays: plain steps and probes
+    off: bool = False  # the last decision was plain (no chain pays, or its entry would not): plain steps, probes
     yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
     # an entry's draft seconds per token the draft caught up on (``GammaPolicy.observe_catch_up``), at the pace
     # the step costs are kept at
@@ -523,7 +524,10 @@ class GammaPolicy:
                 gamma = max(paying, key=measured.get)
             if gamma:
                 speedup = measured.get(gamma) or self._speedup(alphas, gamma)
-                return gamma if self._repays_entry(bucket, speedup, behind, remaining) else 0
+                if self._repays_entry(bucket, speedup, behind, remaining):
+                    return gamma
+        # Plain, whatever kept it so (no chain pays, or the rows' entry would not repay): what the bucket
+        # measured may age out meanwhile, so only a probe's measurement turns speculation on again.
         bucket.off = True
         bucket.probing = bucket.probe_due and self._probe_affordable(bucket, behind)
         return max(1, self.gamma_min) if bucket.probing else 0

@@ -406,6 +406,23 @@ def test_rows_the_draft_must_catch_up_on_speculate_only_if_their_remaining_token
     assert policy.decide(states, behind=[3] * 8, remaining=[2] * 8).gamma > 0
 
 
+def test_rows_kept_plain_by_their_entry_do_not_later_take_a_width_the_bucket_no_longer_measures():
+    """New rows the draft would first have to take in are kept plain by their entry price for 70 steps; the
+    bucket's chain widths age out meanwhile (64 samples). Rows whose entry would repay then still decode
+    plainly until a probe measures a width, instead of taking the γ the prior's model likes best (on a
+    real-shaped pair at batch 8, a 9-token verify that cost seven plain steps)."""
+    policy = GammaPolicy(adaptive=True)
+    states = [GammaState() for _ in range(8)]
+    drive(policy, 60, states=states, accept=lambda i, g: g, cost=lambda i, d: (0.1 * d, 1.0 + 0.6 * d))
+    policy.observe_catch_up(8, 256, 10.0)
+    new = [GammaState() for _ in range(8)]
+    for _ in range(70):
+        assert policy.decide(new, behind=[32] * 8, remaining=[24] * 8).gamma == 0
+        policy.observe_step(8, 0, 1.0)
+    assert policy.costs.bucket(8).seconds.levels().keys() == {1}
+    assert policy.decide(new, behind=[32] * 8, remaining=[1000] * 8).gamma == 0
+
+
 def test_a_probe_waits_until_the_plain_steps_cover_its_entry():
     """Off, with a probe due: rows the draft is 3 tokens behind are probed at once; rows it is 32 tokens
     behind (new rows: their prompts) would cost the draft 256 × 0.01 s = 2.56 s to take in, which at 2 % of a
