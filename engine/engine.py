@@ -179,7 +179,7 @@ class Engine:
     def __init__(self, stages: Stages, *, policy: GammaPolicy | None = None, eos_token_ids: Iterable[int] = (),
                  max_len: int = 1024, max_running: int = 64, micro_batches: int = 1,
                  detokenize: Callable[[Seq[int]], str] | None = None, speculate: bool = True,
-                 max_failures: int = 3, seeded_draft_wait_s: float = 30.0, draft_num: int = 1,
+                 max_failures: int = 3, seeded_draft_wait_s: float = 1.5, draft_num: int = 1,
                  first_seq_id: int = 0, forced_tokens: bool = True, kv_blocks: int | None = None,
                  kv_block_size: int = 16):
         self.stages = stages
@@ -193,6 +193,8 @@ class Engine:
         self.max_failures = max_failures
         # How long a caller-seeded row waits for a draft that keeps losing it before it is verified without
         # drafts (its sample may then change). Time, not turns: a pool marked down fails every call at once.
+        # Long enough for a pool a late probe marked down to come back, short enough that a pool that died
+        # does not stall seeded streams (the others never wait for a pool that is down).
         self.seeded_draft_wait_s = seeded_draft_wait_s
         if draft_num < 1:
             raise ValueError(f"draft_num must be >= 1, got {draft_num}")

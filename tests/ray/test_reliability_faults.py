@@ -39,6 +39,7 @@ ARGS = {
 }
 HEALTH_DEADLINE_S = 2.0  # acceptance: /health reports a dead stage within this long
 STALL_BOUND_S = 3.0  # no stream waits longer than this for its next event when the draft pool dies
+SEEDED = 24  # seeded sampled streams beside the greedy ones in the draft-kill test
 RECOVERY_S = 90.0  # Serve notices a dead replica by its health check (every 10 s) and starts another
 
 ledger = Ledger()
@@ -160,7 +161,7 @@ def test_malformed_frames_get_typed_errors_and_the_app_keeps_serving(app, target
 
 def test_draft_replica_sigkill_loses_nothing_and_health_degrades_then_recovers(app, target, prompts, references):
     """SIGKILL the only draft replica under streaming load: every request completes identical, no stream
-    stalls for the draft timeout, /health says "degraded" (still 200) within 2 s and "ok" once Serve has
+    stalls for the draft timeout (nor a seeded sampled one, which waits a little for its drafts), /health says "degraded" (still 200) within 2 s and "ok" once Serve has
     replaced the replica; meanwhile /debug/kv answers 503 at once instead of waiting on the dead replica."""
     want = [r[: 2 * MAX_TOKENS] for r in references]
     before = _stats(target)
@@ -171,22 +172,30 @@ def test_draft_replica_sigkill_loses_nothing_and_health_degrades_then_recovers(a
         async with HealthWatch(target, interval_s=0.1) as watch:
             load = asyncio.create_task(steady(target, [_body(prompts[i % N_PROMPTS], stream=True,
                                                              max_tokens=2 * MAX_TOKENS) for i in range(n)], 15.0))
+            # Seeded sampled streams wait a little for drafts the pool lost (their sample depends on them),
+            # but never for a pool that died: bounded by the engine's seeded_draft_wait_s.
+            seeded = asyncio.create_task(steady(target, [
+                {**_body(prompts[i], stream=True, max_tokens=2 * MAX_TOKENS), "temperature": 1.0, "seed": 100 + i}
+                for i in range(SEEDED)], 15.0))
             await asyncio.sleep(2.0)  # well under way
             killed = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             degraded = await watch.wait_for("degraded", killed, 10.0)
             kv = await request(target, "GET", "/debug/kv", timeout=10)
-            results = await load
+            results, seeded_results = await load, await seeded
             recovered = await watch.wait_for("ok", killed + (degraded or 0.0), RECOVERY_S)
             codes = Counter(code for t, code, _, _ in watch.samples if t >= killed)
-        return results, killed, degraded, kv, recovered, codes
+        return results, seeded_results, killed, degraded, kv, recovered, codes
 
-    results, killed, degraded, kv, recovered, codes = asyncio.run(scenario())
+    results, seeded_results, killed, degraded, kv, recovered, codes = asyncio.run(scenario())
     after = _stats(target)
     spanning = [r for r in results if r.started < killed < r.started + r.latency_s]
     stall = max((r.max_gap_s for r in spanning), default=0.0)
+    seeded_spanning = [r for r in seeded_results if r.started < killed < r.started + r.latency_s]
+    seeded_stall = max((r.max_gap_s for r in seeded_spanning), default=0.0)
     row = ledger.add("draft_kill", results, [want[i % N_PROMPTS] for i in range(n)], degraded_after_s=degraded,
                      ok_again_after_s=recovered, longest_stream_stall_s=round(stall, 3),
+                     seeded_streams_spanning=len(seeded_spanning), longest_seeded_stall_s=round(seeded_stall, 3),
                      debug_kv=f"{kv.status} in {kv.latency_s:.3f} s", fallbacks=after["fallback_reasons"])
     print(f"draft kill: {row}; /health codes after the kill {dict(codes)}")
     assert Counter(r.kind for r in results) == {"ok": n}, Counter(r.kind for r in results)
@@ -197,6 +206,8 @@ def test_draft_replica_sigkill_loses_nothing_and_health_degrades_then_recovers(a
     assert kv.error_body["code"] == "unavailable" and "draft pool" in kv.error_body["message"], kv.body
     assert recovered is not None, "the draft pool never came back"
     assert spanning and stall < STALL_BOUND_S, (len(spanning), stall)
+    assert Counter(r.kind for r in seeded_results) == {"ok": SEEDED}, Counter(r.kind for r in seeded_results)
+    assert seeded_spanning and seeded_stall < STALL_BOUND_S, (len(seeded_spanning), seeded_stall)
     assert after["verifier_resyncs"] == before["verifier_resyncs"]  # the draft's death never touches the verifier
     assert sum(after["fallback_reasons"].get(k, 0) - before["fallback_reasons"].get(k, 0)
                for k in ("draft_died", "draft_down")) > 0
@@ -225,7 +236,7 @@ def test_verifier_sigkill_ends_every_stream_explicitly_and_health_is_503_meanwhi
             os.kill(victim, signal.SIGKILL)
             unhealthy = await watch.wait_for("unhealthy", killed, 10.0)
             kv = await request(target, "GET", "/debug/kv", timeout=10)
-            results = await load
+            results, seeded_results = await load, await seeded
             recovered = await watch.wait_for("ok", killed + (unhealthy or 0.0), RECOVERY_S)
             codes = Counter((code, status) for t, code, status, _ in watch.samples if t >= killed)
         return results, killed, unhealthy, kv, recovered, codes
