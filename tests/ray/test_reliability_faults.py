@@ -236,7 +236,7 @@ def test_verifier_sigkill_ends_every_stream_explicitly_and_health_is_503_meanwhi
             os.kill(victim, signal.SIGKILL)
             unhealthy = await watch.wait_for("unhealthy", killed, 10.0)
             kv = await request(target, "GET", "/debug/kv", timeout=10)
-            results, seeded_results = await load, await seeded
+            results = await load
             recovered = await watch.wait_for("ok", killed + (unhealthy or 0.0), RECOVERY_S)
             codes = Counter((code, status) for t, code, status, _ in watch.samples if t >= killed)
         return results, killed, unhealthy, kv, recovered, codes
