@@ -161,8 +161,9 @@ def test_malformed_frames_get_typed_errors_and_the_app_keeps_serving(app, target
 
 def test_draft_replica_sigkill_loses_nothing_and_health_degrades_then_recovers(app, target, prompts, references):
     """SIGKILL the only draft replica under streaming load: every request completes identical, no stream
-    stalls for the draft timeout (nor a seeded sampled one, which waits a little for its drafts), /health says "degraded" (still 200) within 2 s and "ok" once Serve has
-    replaced the replica; meanwhile /debug/kv answers 503 at once instead of waiting on the dead replica."""
+    stalls for the draft timeout (nor a seeded sampled one, which waits a little for its drafts), /health
+    says "degraded" (still 200) within 2 s and "ok" once Serve has replaced the replica; meanwhile
+    /debug/kv answers 503 at once instead of waiting on the dead replica."""
     want = [r[: 2 * MAX_TOKENS] for r in references]
     before = _stats(target)
     victim = _replica_pid(app.name, "DraftPool")

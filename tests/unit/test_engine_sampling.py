@@ -163,19 +163,24 @@ def test_seeded_sample_survives_a_draft_that_lost_the_sequence(target, noisy_dra
     assert engine.output(seq_id).tokens == reference
 
 
-class _Failing:
-    """A draft pool that answers resync (it never held the row, or was marked down) to the next ``fail`` calls."""
+class _Losing:
+    """A draft pool that answers resync for some rows of its next calls: ``losses`` holds, per call, the seq ids
+    it lost (it never held them: Serve sent their part to another replica), or None for every row (a call
+    that failed, or a pool marked down)."""
 
     def __init__(self, proposer):
-        self.proposer, self.fail, self.calls = proposer, 0, 0
+        self.proposer, self.losses = proposer, []
 
     def propose(self, items):
-        self.calls += 1
-        if self.fail:
-            self.fail -= 1
-            ids = [it.sync.seq_id for it in items]
-            return ProposalBatch.empty(ids, ids)
-        return self.proposer.propose(items)
+        ids = [it.sync.seq_id for it in items]
+        loss = self.losses.pop(0) if self.losses else set()
+        gone = set(ids) if loss is None else loss
+        held = [it for it in items if it.sync.seq_id not in gone]
+        lost = [i for i in ids if i in gone]
+        if not lost:
+            return self.proposer.propose(items)
+        parts = [self.proposer.propose(held)] if held else []
+        return ProposalBatch.concat(parts + [ProposalBatch.empty(lost, lost)]).select(ids)
 
     def release(self, seq_ids):
         self.proposer.release(seq_ids)
@@ -188,16 +193,16 @@ def _seeded_run_with_failing_draft(target, noisy_draft, prompts, fail: int, wait
     engine = make_engine(target, noisy_draft, gamma=3)
     if wait_s is not None:
         engine.seeded_draft_wait_s = wait_s
-    draft = engine.stages.proposer = _Failing(engine.stages.proposer)
+    draft = engine.stages.proposer = _Losing(engine.stages.proposer)
     seq_id = engine.add(request)
     steps = 0
     while engine.has_work:
         engine.step()
         steps += 1
         if steps == 3:
-            draft.fail = fail
+            draft.losses.extend([None] * fail)
     assert engine.seeded_redrafts >= 1
-    return engine.output(seq_id).tokens, reference, draft.fail
+    return engine.output(seq_id).tokens, reference, len(draft.losses)
 
 
 @pytest.mark.parametrize("fail", [2, 12])
@@ -217,29 +222,15 @@ def test_seeded_rows_survive_a_redraft_that_loses_a_row_the_first_draft_held(tar
     requests = [Request(prompts[i], max_tokens=MAX_NEW, sampling=p) for i, p in zip((3, 5), params)]
     reference = [o.tokens for o in make_engine(target, noisy_draft, gamma=3).generate(requests)]
     engine = make_engine(target, noisy_draft, gamma=3)
-    proposer, lose = engine.stages.proposer, []
-
-    class Moving:
-        def propose(self, items):
-            gone = lose.pop(0) if lose else set()
-            ids = [it.sync.seq_id for it in items]
-            held = [it for it in items if it.sync.seq_id not in gone]
-            lost = [i for i in ids if i in gone]  # answered resync: this replica never held them
-            parts = [proposer.propose(held)] if held else []
-            return ProposalBatch.concat(parts + [ProposalBatch.empty(lost, lost)]).select(ids) if lost else parts[0]
-
-        def release(self, seq_ids):
-            proposer.release(seq_ids)
-
-    engine.stages.proposer = Moving()
+    draft = engine.stages.proposer = _Losing(engine.stages.proposer)
     ids = [engine.add(r) for r in requests]
     steps = 0
     while engine.has_work:
         engine.step()
         steps += 1
         if steps == 3:
-            lose.extend([{ids[0]}, {ids[1]}])
-    assert not lose and engine.seeded_redrafts >= 1
+            draft.losses.extend([{ids[0]}, {ids[1]}])
+    assert not draft.losses and engine.seeded_redrafts >= 1
     assert [engine.output(i).tokens for i in ids] == reference
 
 
