@@ -18,10 +18,10 @@ For the embedded pair (models/default; ``--target/--draft`` for another), greedy
 
 Batch 1: every prompt goes through every row in turn (the order reversed every other prompt), each row
 timing one request end to end (prefill included). ``--batch N`` (default 16) adds rows that send all
-prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process), ``--rounds`` times
-(default 2), every row once per round and the order reversed every other round, as batch 1 is; each row's
-rate over the best in-process speculative rate of the same round is reported per round (median and range,
-the box's drift between rounds). Served
+prompts N at a time (N concurrent HTTP requests; one ``generate`` of N in-process). Both run ``--rounds``
+times (default 2), every row once per group of prompts and round, the order reversed every other group and
+round; each row's rate over the best in-process speculative rate of the same round is reported per round
+(median and range, the box's drift between rounds). Served
 rows use the app's own thread settings (``verifier.num_threads`` 'auto' unless ``--served-threads N``,
 ``draft_pool.num_threads`` 1); the in-process rows run once per ``--threads`` count (default: 1 and all
 cores), so the served rows meet the better in-process baseline. Like the replicas
@@ -167,8 +167,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16, help="batch of the throughput rows (0: none)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds of the throughput rows, every row once per round, the order reversed every "
-                             "other round")
+                        help="rounds of batch 1 and of the throughput rows, every row once per group of prompts "
+                             "and round")
     parser.add_argument("--placements", default="offload,compiled,colocated,local",
                         help="draft placements of the served speculative rows, comma-separated ('compiled': "
                              "offload over the compiled-graph transport)")
@@ -222,37 +222,34 @@ def main() -> int:
 
     for row in rows:  # warm-up: first calls pay one-off costs (kernels, Serve's routing tables)
         run(row, prompts[:1])
-    batch1 = {row: {"tokens": 0, "seconds": 0.0, "latency": [], "texts": []} for row in rows}
-    for i, prompt in enumerate(prompts):
-        for row in (rows if i % 2 == 0 else rows[::-1]):
-            texts, tokens, seconds = run(row, [prompt])
-            rec = batch1[row]
-            rec["tokens"] += tokens
-            rec["seconds"] += seconds
-            rec["latency"].append(seconds)
-            rec["texts"].append(texts[0])
-        print(f"[{i + 1}/{len(prompts)}] " + "  ".join(f"{r}: {batch1[r]['tokens'] / batch1[r]['seconds']:.1f}"
-                                                       for r in rows), file=sys.stderr)
-    batched = {}
-    if args.batch > 1:
-        batched = {row: {"tokens": 0, "seconds": 0.0, "texts": [], "rounds": []} for row in rows}
-        for r in range(args.rounds):  # interleaved like batch 1: a drift of the box's speed hits every row
-            for row in (rows if r % 2 == 0 else rows[::-1]):
-                rec = batched[row]
-                round_tokens, round_seconds = 0, 0.0
-                for start in range(0, len(prompts), args.batch):
-                    texts, tokens, seconds = run(row, prompts[start:start + args.batch])
-                    round_tokens += tokens
-                    round_seconds += seconds
+
+    def measure(size: int) -> dict:
+        """Every row through all prompts ``size`` at a time, ``args.rounds`` times; the order of the rows
+        reversed every other group and round, so a drift of the box's speed hits every row alike."""
+        recs = {row: {"tokens": 0, "seconds": 0.0, "latency": [], "texts": [], "rounds": []} for row in rows}
+        for r in range(args.rounds):
+            tally = {row: [0, 0.0] for row in rows}
+            for g, start in enumerate(range(0, len(prompts), size)):
+                for row in (rows if (g + r) % 2 == 0 else rows[::-1]):
+                    texts, tokens, seconds = run(row, prompts[start:start + size])
+                    rec = recs[row]
+                    tally[row][0] += tokens
+                    tally[row][1] += seconds
+                    rec["latency"].append(seconds)
                     if r == 0:
                         rec["texts"] += texts
-                    elif texts != rec["texts"][start:start + args.batch]:
-                        rec["texts"][start:start + args.batch] = [None] * len(texts)  # not reproducible
-                rec["tokens"] += round_tokens
-                rec["seconds"] += round_seconds
-                rec["rounds"].append(round_tokens / round_seconds)
-            print(f"[batch {args.batch}, round {r + 1}/{args.rounds}] " + "  ".join(
-                f"{row}: {batched[row]['tokens'] / batched[row]['seconds']:.1f}" for row in rows), file=sys.stderr)
+                    elif texts != rec["texts"][start:start + size]:
+                        rec["texts"][start:start + size] = [None] * len(texts)  # not reproducible
+            for row, (tokens, seconds) in tally.items():
+                recs[row]["tokens"] += tokens
+                recs[row]["seconds"] += seconds
+                recs[row]["rounds"].append(tokens / seconds)
+            print(f"[batch {size}, round {r + 1}/{args.rounds}] " + "  ".join(
+                f"{row}: {recs[row]['tokens'] / recs[row]['seconds']:.1f}" for row in rows), file=sys.stderr)
+        return recs
+
+    batch1 = measure(1)
+    batched = measure(args.batch) if args.batch > 1 else {}
 
     memory = process_memory()
     mem_rows = memory_rows(args, urls, memory)
@@ -265,33 +262,42 @@ def main() -> int:
     # Each round runs every row back to back, so a row's rate over the same round's best in-process speculative
     # rate is a ratio measured side by side; its spread over the rounds is the box's drift.
     spec_rows = [r for r in engines if r.startswith("in-process speculative")]
-    spec_by_round = [max(batched[r]["rounds"][i] for r in spec_rows) for i in range(args.rounds)] if batched else []
+
+    def by_round(recs: dict, row: str) -> list[float]:
+        """The row's rate in each round over the best in-process speculative rate of that round."""
+        return [x / max(recs[r]["rounds"][i] for r in spec_rows) for i, x in enumerate(recs[row]["rounds"])]
+
     results = []
     for row in rows:
         rec = batch1[row]
         rate = rec["tokens"] / rec["seconds"]
         result = {"row": row, "batch1_tokens_per_s": rate, "batch1_vs_in_process_plain": rate / plain_rate,
                   "latency_p50_s": pct(rec["latency"], 50), "latency_p90_s": pct(rec["latency"], 90),
-                  "identical_to_plain": sum(x == y for x, y in zip(rec["texts"], reference))}
+                  "identical_to_plain": sum(x == y for x, y in zip(rec["texts"], reference)),
+                  "batch1_vs_in_process_speculative_by_round": by_round(batch1, row)}
         if row in batched:
             rb = batched[row]
             result["batch_tokens_per_s"] = rb["tokens"] / rb["seconds"]
             result["batch_identical_to_plain"] = sum(x == y for x, y in zip(rb["texts"], reference))
-            result["batch_vs_in_process_speculative_by_round"] = [x / y for x, y in zip(rb["rounds"], spec_by_round)]
+            result["batch_vs_in_process_speculative_by_round"] = by_round(batched, row)
         results.append(result)
 
-    header = ["row", "batch 1 tok/s", "× best in-process plain", "p50 / p90 s per request", "identical"]
+    def spread(ratios: list[float]) -> str:
+        return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
+
+    per_round = "× in-process spec. per round: median (min–max)"
+    header = ["row", "batch 1 tok/s", "× best in-process plain", "p50 / p90 s per request", "identical",
+              f"batch 1 {per_round}"]
     if batched:
-        header += [f"batch {args.batch} tok/s", f"batch {args.batch} identical",
-                   "× in-process spec. per round: median (min–max)"]
+        header += [f"batch {args.batch} tok/s", f"batch {args.batch} identical", f"batch {args.batch} {per_round}"]
     table = [header]
     for r in results:
         line = [r["row"], f"{r['batch1_tokens_per_s']:.1f}", f"{r['batch1_vs_in_process_plain']:.2f}×",
-                f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f}", f"{r['identical_to_plain']}/{len(prompts)}"]
+                f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f}", f"{r['identical_to_plain']}/{len(prompts)}",
+                spread(r["batch1_vs_in_process_speculative_by_round"])]
         if batched:
-            by_round = r["batch_vs_in_process_speculative_by_round"]
             line += [f"{r['batch_tokens_per_s']:.1f}", f"{r['batch_identical_to_plain']}/{len(prompts)}",
-                     f"{statistics.median(by_round):.2f}× ({min(by_round):.2f}–{max(by_round):.2f})"]
+                     spread(r["batch_vs_in_process_speculative_by_round"])]
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for j, line in enumerate(table):
