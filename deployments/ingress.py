@@ -654,7 +654,8 @@ class OpenAIIngress:
             raise _translate(exc, opts["renames"]) from None
         finally:
             slot.release()
-        return self._full_body(resp, opts, rid, chat)
+        # Rendered here: a dict returned would first be walked by FastAPI's jsonable_encoder, for nothing.
+        return JSONResponse(self._full_body(resp, opts, rid, chat))
 
     def _parse(self, body: dict, chat: bool) -> tuple[GenerateRequest, dict]:
         try:
