@@ -133,10 +133,6 @@ class Request:
     gang: int = 1
     strategy: str = "PACK"
 
-    def describe(self) -> str:
-        gang = f" × {self.gang} ranks ({self.strategy})" if self.gang > 1 else ""
-        return f"{self.role}: {self.count}{gang} of {_fmt(self.bundle)}"
-
 
 def requests(cfg: ClusterConfig) -> list[Request]:
     """What the app for ``cfg`` reserves at its largest (autoscaling at ``max_replicas``): ``placements``

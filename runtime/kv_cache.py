@@ -73,10 +73,6 @@ class KVPool:
     def cached_blocks(self) -> int:
         return len(self._key_of)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
-
     # -- blocks ------------------------------------------------------------------------------------------
 
     def _is_free(self, block: int) -> bool:
@@ -146,9 +142,6 @@ class KVPool:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._index[key]
-
-    def is_published(self, block: int) -> bool:
-        return block in self._key_of
 
     def lookup(self, tokens: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
         """The longest run of cached blocks holding ``tokens[: n × block_size]`` (n ≤ ``max_blocks``), as

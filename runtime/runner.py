@@ -118,7 +118,6 @@ class ModelRunner:
         self._trees: dict[int, tuple[int, int, list[int], list[int]]] = {}
         self.stats = ForwardStats()
         self.tick = 0  # forward calls so far
-        self.evictions = 0
 
     # -- sequence bookkeeping ------------------------------------------------------------------------
 
@@ -160,7 +159,6 @@ class ModelRunner:
         if not idle:
             return False
         self.release([min(idle, key=lambda kv: kv[1].last_used)[0]])
-        self.evictions += 1
         return True
 
     def _allocate_block(self, after: int | None = None) -> int:

@@ -33,7 +33,6 @@ import argparse
 import ast
 import hashlib
 import html.parser
-import io
 import json
 import math
 import os
@@ -173,7 +172,6 @@ PATHS = ["/", "/home", "/pricing", "/about", "/blog", "/docs", "/cart", "/checko
          "/account", "/search", "/products", "/contact", "/login", "/settings"]
 REFERRERS = ["google", "twitter", "newsletter", "direct", "facebook", "github", "bing"]
 DEVICES = ["desktop", "mobile", "tablet"]
-BROWSERS = ["firefox", "chrome", "safari", "edge"]
 SERVICES = ["api", "web", "worker", "scheduler", "gateway", "auth", "billing", "search",
             "notifications", "analytics"]
 HOSTS = ["localhost", "db.internal", "cache.internal", "10.0.0.5", "10.0.1.12", "db.example.com",
@@ -189,7 +187,6 @@ BOOK_TITLES = ["The Silent Sea", "A Winter Garden", "Lost in the City", "The Las
                "The Quiet Road", "Small Wonders", "The Blue Door", "Morning Tide"]
 GENRES = ["fiction", "mystery", "science", "history", "poetry", "fantasy", "biography", "travel"]
 WEATHER = ["sunny", "cloudy", "rain", "snow", "windy", "fog", "storm", "clear"]
-UNITS = ["celsius", "fahrenheit"]
 MOVIES = ["The Long Night", "Blue Horizon", "City of Glass", "Quiet Storm", "Red Canyon",
           "The Lighthouse Keeper", "Summer Rain", "Iron Valley"]
 STREETS = ["Main Street", "Oak Avenue", "Park Road", "High Street", "Church Lane",

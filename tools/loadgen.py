@@ -68,7 +68,6 @@ class Result:
     events: list = field(default_factory=list)  # server-sent event payloads: parsed JSON, or "[DONE]"
     started: float = 0.0  # time.monotonic() when the request was on the wire (connected), or when it began
     connect_s: float | None = None  # from the call to the connection being established
-    first_byte_s: float | None = None
     latency_s: float | None = None  # until the last byte (or the failure)
     max_gap_s: float = 0.0  # longest wait between two events of a stream (from the first byte)
     error: str | None = None  # transport failure, if any
@@ -180,7 +179,6 @@ async def _read_response(reader: asyncio.StreamReader, res: Result, hang_up_afte
     line = await reader.readline()
     if not line:
         raise ConnectionResetError("the server closed the connection before answering")
-    res.first_byte_s = time.monotonic() - res.started
     res.status = int(line.split()[1])
     while (line := await reader.readline()) not in (b"\r\n", b"\n"):
         if not line:

@@ -96,17 +96,6 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def node_address() -> str:
-    """This host's address as other hosts see it (no packet is sent); 127.0.0.1 when offline."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            addr = s.getsockname()[0]
-        except OSError:
-            addr = "127.0.0.1"
-    return "127.0.0.1" if ipaddress.ip_address(addr).is_unspecified else addr
-
-
 def interface_of(addr: str) -> str | None:
     """The network interface holding IPv4 address ``addr`` on this host, or None (not found; not Linux)."""
     try:
