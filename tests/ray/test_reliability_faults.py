@@ -98,6 +98,12 @@ def _replica_pid(app_name: str, deployment: str) -> int:
     return replica_pid(os.getpid(), app_name, deployment)  # this session started the Ray cluster
 
 
+def _across(results, killed: float) -> tuple[list, float]:
+    """The streams under way at ``killed``, and the longest any of them waited for its next event."""
+    spanning = [r for r in results if r.started < killed < r.started + r.latency_s]
+    return spanning, max((r.max_gap_s for r in spanning), default=0.0)
+
+
 def _mismatched(results, expected) -> list[int]:
     return [i for i, (r, want) in enumerate(zip(results, expected)) if r.kind == "ok" and r.token_ids != want]
 
@@ -190,10 +196,8 @@ def test_draft_replica_sigkill_loses_nothing_and_health_degrades_then_recovers(a
 
     results, seeded_results, killed, degraded, kv, recovered, codes = asyncio.run(scenario())
     after = _stats(target)
-    spanning = [r for r in results if r.started < killed < r.started + r.latency_s]
-    stall = max((r.max_gap_s for r in spanning), default=0.0)
-    seeded_spanning = [r for r in seeded_results if r.started < killed < r.started + r.latency_s]
-    seeded_stall = max((r.max_gap_s for r in seeded_spanning), default=0.0)
+    spanning, stall = _across(results, killed)
+    seeded_spanning, seeded_stall = _across(seeded_results, killed)
     row = ledger.add("draft_kill", results, [want[i % N_PROMPTS] for i in range(n)], degraded_after_s=degraded,
                      ok_again_after_s=recovered, longest_stream_stall_s=round(stall, 3),
                      seeded_streams_spanning=len(seeded_spanning), longest_seeded_stall_s=round(seeded_stall, 3),
