@@ -139,7 +139,9 @@ class WidthCosts:
     scaled to the bucket's ``rows`` by T ∝ rows^β, with β the median of the slopes log(T₂/T₁) / log(r₂/r₁)
     between recent steps of one width at batch sizes at least 25 % apart (``exponent``): the width's own
     where it has such steps (a wider verify grows faster with the rows), else every width's, else 0; at
-    most 1.
+    most 1. A β is kept until recent steps give a new one: the samples it scales outlive the recent steps it
+    came from (a chain measured at 9–10 rows while the rows of a group finished, then only plain steps at 16
+    rows), and read unscaled they made that chain look cheap enough to turn speculation on at a loss.
 
     The machine's speed drifts too: on a shared host the same step can take 12 ms one second and 20 ms the
     next. Compared as measured, a chain width last run in a slow spell looks dearer than the width in use, and
@@ -164,8 +166,9 @@ class WidthCosts:
         self.samples: dict[int, deque[tuple[int, float, int]]] = {}  # width → (count, seconds, rows)
         self.recent: deque[tuple[int, int, float]] = deque(maxlen=8 * window)  # (width, rows, seconds)
         self._fit: tuple[dict[int, float], float, float] | None = None  # (levels, slope, intercept) until add
-        self._exponents: dict[int, float] | None = None  # width → β, until add
+        self._exponents: dict[int, float] = {}  # width → β, the latest the recent steps gave
         self._shared_exponent = 0.0  # every width's β, for widths with none of their own
+        self._exponents_current = False  # the recent steps' slopes are folded into the β above, until add
         self.pace = 1.0  # a step's seconds now over the seconds it is kept at (> 1: a slower spell; see the docstring)
         # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
         self._paces: deque[float] = deque([1.0] * window, maxlen=window)
@@ -186,11 +189,11 @@ class WidthCosts:
         self.count += 1
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
         self.recent.append((width, rows, seconds))
-        self._fit = self._exponents = None
+        self._fit, self._exponents_current = None, False
 
     def exponent(self, width: int) -> float:
         """β of T ∝ rows^β for steps of this width, from the recent steps (see the class docstring)."""
-        if self._exponents is None:
+        if not self._exponents_current:
             cells: dict[tuple[int, int], list[float]] = {}
             for w, rows, seconds in self.recent:
                 cells.setdefault((w, rows), []).append(seconds)
@@ -201,8 +204,10 @@ class WidthCosts:
                     if w1 == w2 and r2 >= 1.25 * r1 and t1 > 0 < t2:
                         slopes.setdefault(w1, []).append(math.log(t2 / t1) / math.log(r2 / r1))
             every = [x for xs in slopes.values() for x in xs]
-            self._exponents = {w: min(max(statistics.median(xs), 0.0), 1.0) for w, xs in slopes.items()}
-            self._shared_exponent = min(max(statistics.median(every), 0.0), 1.0) if every else 0.0
+            self._exponents.update({w: min(max(statistics.median(xs), 0.0), 1.0) for w, xs in slopes.items()})
+            if every:
+                self._shared_exponent = min(max(statistics.median(every), 0.0), 1.0)
+            self._exponents_current = True
         return self._exponents.get(width, self._shared_exponent)
 
     def scaled(self, width: int, seconds: float, rows: int) -> float:

@@ -328,6 +328,26 @@ def test_width_costs_compare_widths_at_the_buckets_batch_size():
     assert costs.predict(3) / costs.predict(1) == pytest.approx(truth, rel=0.01)
 
 
+def test_width_costs_keep_how_steps_grow_with_rows_once_the_steps_that_showed_it_are_old():
+    """The real-shaped pair at batch 16 (docs/results.md): the warm-up measured the chain only at 9–10 rows,
+    while its group's rows finished, then two rounds ran plain at 16 rows. Once those plain steps filled the
+    recent window, nothing in it measured how a step grows with its rows, and the chain's 9–10-row samples
+    were read as 16-row ones: γ = 1 looked 1.29× as fast as plain, and speculation turned on at 0.43×."""
+    plain = lambda rows: 0.36 * (rows / 16) ** 0.8  # noqa: E731  seconds, as traced
+    chain = lambda rows: 0.83 * (rows / 16) ** 0.8  # noqa: E731
+    costs = WidthCosts(window=5, min_samples=3, max_age=64, rows=16)
+    for rows in (16, 16, 16, 11, 11):
+        costs.add(1, plain(rows), rows)
+    for rows in (10, 9, 10):
+        costs.add(2, chain(rows), rows)
+    assert costs.level(2) == pytest.approx(chain(16), rel=0.02)
+    for _ in range(costs.recent.maxlen):  # plain steps at 16 rows, until they are all the recent window holds
+        costs.add(1, plain(16))
+    assert {rows for _, rows, _ in costs.recent} == {16}
+    assert costs.level(2) == pytest.approx(chain(16), rel=0.02)
+    assert costs.level(2) / costs.level(1) > 2.0  # γ = 1 emits at most 2 tokens a row: it cannot pay here
+
+
 ALPHA_096 = lambda i, g: g if i % 25 else g // 2  # noqa: E731  every draft accepted but one in 25 steps
 
 
