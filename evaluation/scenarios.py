@@ -468,7 +468,8 @@ def interleaved(runs: dict, inputs: list, repeats: int, progress, rounds: dict |
 def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm) -> dict:
     """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults), each fixed γ of the
     sweep, and a second plain engine as a control, interleaved per group of prompts. Gains are the median over
-    the repeats of each round's tokens/s ratio; tokens/s the fastest per group. The control's gain
+    the repeats of each round's tokens/s ratio (each round's in ``rounds_<run>``); tokens/s the fastest per
+    group. The control's gain
     (``gain_control``: plain over plain, the same work) is what this machine's noise makes of 1.0 in the same
     rounds, the yardstick for every other gain of the row."""
     engines = {"plain": engine(None, slots=batch), "control": engine(None, slots=batch),
@@ -494,7 +495,8 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
             if name != "control":
                 row[f"mean_gamma_{name}"] = eng.stats.mean_gamma
             # Every run emits the same tokens each round, so the ratio of seconds is the ratio of tokens/s.
-            row[f"gain_{name}"] = statistics.median(p / x for p, x in zip(rounds["plain"], rounds[name]))
+            gains = [p / x for p, x in zip(rounds["plain"], rounds[name])]
+            row[f"gain_{name}"], row[f"rounds_{name}"] = statistics.median(gains), [round(g, 3) for g in gains]
     if args.fixed_gammas:
         best = max(args.fixed_gammas, key=lambda g: row[f"gain_fixed{g}"])
         row["best_fixed_gamma"] = best

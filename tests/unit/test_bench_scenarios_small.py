@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_small_run_writes_a_complete_report(tmp_path):
         runs = ["control", "spec", "fixed1", "fixed2", "fixed3"]
         assert batch["prompts"] == 6 and all(batch[f"identical_{n}"] == 6 for n in runs)
         assert all(batch[f"gain_{n}"] > 0 and f"{n}_tok_s" in batch for n in runs)
+        assert all(len(batch[f"rounds_{n}"]) == batch["repeats"] for n in runs)
+        assert batch["gain_spec"] == pytest.approx(statistics.median(batch["rounds_spec"]), abs=1e-3)
         best = batch["best_fixed_gamma"]
         assert batch[f"gain_fixed{best}"] == max(batch[f"gain_fixed{g}"] for g in (1, 2, 3))
         assert batch["spec_over_best_fixed"] == pytest.approx(batch["gain_spec"] / batch[f"gain_fixed{best}"])
