@@ -469,9 +469,8 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
     """Every prompt, ``batch`` sequences at a time: plain, speculative (serve's defaults), each fixed γ of the
     sweep, and a second plain engine as a control, interleaved per group of prompts. Gains are the median over
     the repeats of each round's tokens/s ratio (each round's in ``rounds_<run>``); tokens/s the fastest per
-    group. The control's gain
-    (``gain_control``: plain over plain, the same work) is what this machine's noise makes of 1.0 in the same
-    rounds, the yardstick for every other gain of the row."""
+    group. The control's gain (``gain_control``: plain over plain, the same work) is what this machine's noise
+    makes of 1.0 in the same rounds, the yardstick for every other gain of the row."""
     engines = {"plain": engine(None, slots=batch), "control": engine(None, slots=batch),
                "spec": engine(args.draft, slots=batch)}
     engines.update({f"fixed{g}": engine(args.draft, slots=batch, gamma=g) for g in args.fixed_gammas})

@@ -332,7 +332,8 @@ def test_width_costs_keep_how_steps_grow_with_rows_once_the_steps_that_showed_it
     """The real-shaped pair at batch 16 (docs/results.md): the warm-up measured the chain only at 9–10 rows,
     while its group's rows finished, then two rounds ran plain at 16 rows. Once those plain steps filled the
     recent window, nothing in it measured how a step grows with its rows, and the chain's 9–10-row samples
-    were read as 16-row ones: γ = 1 looked 1.29× as fast as plain, and speculation turned on at 0.43×."""
+    were read as 16-row ones: γ = 1 looked 1.29× as fast as plain, and the rows entered to find a step of
+    2.3 plain steps for at most 2 tokens a row."""
     plain = lambda rows: 0.36 * (rows / 16) ** 0.8  # noqa: E731  seconds, as traced
     chain = lambda rows: 0.83 * (rows / 16) ** 0.8  # noqa: E731
     costs = WidthCosts(window=5, min_samples=3, max_age=64, rows=16)
