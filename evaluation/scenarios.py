@@ -474,13 +474,14 @@ def batch_row(args, batch: int, all_ids: list[list[int]], engine, Request, tqdm)
     engines = {"plain": engine(None, slots=batch), "control": engine(None, slots=batch),
                "spec": engine(args.draft, slots=batch)}
     engines.update({f"fixed{g}": engine(args.draft, slots=batch, gamma=g) for g in args.fixed_gammas})
-    # Warm-up: first-call costs, and the adaptive policy's cost model meets this batch size once.
-    warm = [Request(tuple(ids[:8]), max_tokens=32) for ids in all_ids[:batch]]
-    for eng in engines.values():
-        eng.generate(warm)
-        eng.stats = type(eng.stats)()
     groups = [[Request(tuple(ids), max_tokens=args.max_tokens) for ids in all_ids[i:i + batch]]
               for i in range(0, len(all_ids), batch)]
+    # Warm-up, the first group once: what a server pays once per batch size stays out of the rounds — first
+    # calls, and the adaptive policy's first entry at this batch size, which it cannot price before it has
+    # seen one (its draft's prefill of a whole group's prompts).
+    for eng in engines.values():
+        eng.generate(groups[0])
+        eng.stats = type(eng.stats)()
     runs = {name: (lambda group, eng=eng: [o.tokens for o in eng.generate(group)]) for name, eng in engines.items()}
     rounds: dict = {}
     per_group, seconds = interleaved(runs, groups, args.repeats,

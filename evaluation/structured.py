@@ -27,9 +27,12 @@ speculative runs are compared with the plain run's of the same kind (they must b
 ``--mixed-batch N`` adds what constrained rows cost the unconstrained rows of their batch: N rows at once
 through the speculative engine, half of them the scenarios' prompts constrained and half other prompts
 unconstrained (``max_tokens``), against the same batch with the constrained half unconstrained and cut at its
-constrained answers' lengths, so both batches shrink alike as rows finish. The cost is one less the ratio of
-the two batches' tokens/s (median of ``--mixed-rounds`` interleaved rounds); the unconstrained rows' outputs
-must be the same in both.
+constrained answers' lengths, so both batches shrink alike as rows finish. Two figures, each one less a ratio
+of the two batches (median of ``--mixed-rounds`` interleaved rounds): ``cost``, of their tokens/s, which also
+counts the constrained half's own decoding (its text is harder for the draft, and a batch lasts as long as
+its slowest row); and ``cost_to_unconstrained``, of the unconstrained rows' own tokens/s, read from their
+seconds from the batch's start to their last token, summed: what constrained rows cost the rows beside them.
+The unconstrained rows' outputs must be the same in both.
 
 Writes DIR/structured.json and DIR/structured.md.
 """
@@ -188,17 +191,31 @@ def mixed_batch(args, eng, prompts: list[tuple]) -> dict:
     warm = eng.generate(beside)
     lengths = [len(o.tokens) for o in warm[: len(half)]]
     alone = [Request(tuple(ids), max_tokens=m) for (ids, _), m in zip(half, lengths)] + free
-    runs = {name: (lambda _, batch=batch: [o.tokens for o in eng.generate(batch)])
+    finished: dict[str, list[float]] = {"alone": [], "beside constrained rows": []}  # per round
+
+    def run(name: str, batch: list) -> list[tuple[int, ...]]:
+        """The batch to its end; the unconstrained rows' seconds to their last token go to ``finished``."""
+        ids, seconds, started = [eng.add(r) for r in batch], {}, time.perf_counter()
+        while len(seconds) < len(ids):
+            eng.step()
+            seconds.update((i, time.perf_counter() - started) for i in ids if i not in seconds and i in eng.finished)
+        finished[name].append(sum(seconds[i] for i in ids[len(half):]))
+        return [eng.output(i).tokens for i in ids]
+
+    runs = {name: (lambda _, name=name, batch=batch: run(name, batch))
             for name, batch in (("alone", alone), ("beside constrained rows", beside))}
     rounds: dict = {}
     outputs, _ = interleaved(runs, [None], args.mixed_rounds,
                              tqdm(desc=f"mixed batch {n}", file=sys.stderr, leave=False), rounds)
     alone_out, beside_out = outputs["alone"][0], outputs["beside constrained rows"][0]
-    ratio = statistics.median(a / b for a, b in zip(rounds["alone"], rounds["beside constrained rows"]))
+
+    def cost(seconds: dict) -> float:
+        return 1 - statistics.median(a / b for a, b in zip(seconds["alone"], seconds["beside constrained rows"]))
+
     return {"batch": n, "constrained_rows": len(half), "rounds": args.mixed_rounds, "tokens": sum(map(len, alone_out)),
             "tok_s_alone": sum(map(len, alone_out)) / min(rounds["alone"]),
             "tok_s_beside": sum(map(len, beside_out)) / min(rounds["beside constrained rows"]),
-            "cost": 1 - ratio,
+            "cost": cost(rounds), "cost_to_unconstrained": cost(finished),
             "unconstrained_identical": sum(a == b for a, b in zip(alone_out[len(half):], beside_out[len(half):])),
             "unconstrained_rows": len(free)}
 
@@ -223,8 +240,9 @@ def markdown(report: dict) -> str:
     if report.get("mixed_batch"):
         m = report["mixed_batch"]
         lines.append(f"batch {m['batch']}, {m['constrained_rows']} rows constrained: the batch's tokens/s "
-                     f"{m['tok_s_beside']:.1f} against {m['tok_s_alone']:.1f} with those rows unconstrained; cost to "
-                     f"the unconstrained rows {m['cost']:.1%} (median of {m['rounds']} rounds); their outputs "
+                     f"{m['tok_s_beside']:.1f} against {m['tok_s_alone']:.1f} with those rows unconstrained "
+                     f"({m['cost']:.1%} less); the unconstrained rows' own tokens/s (from their seconds to their "
+                     f"last token) {m['cost_to_unconstrained']:.1%} less (medians of {m['rounds']} rounds); their outputs "
                      f"identical {m['unconstrained_identical']}/{m['unconstrained_rows']}")
     lines.append(f"*absolute figures: {report['machine']}, {report['date']}; batch 1, max_tokens "
                  f"{report['max_tokens']} (unconstrained runs: the constrained answer's length), fastest of "

@@ -44,5 +44,7 @@ def test_small_structured_run_writes_a_complete_report(tmp_path):
         assert row["runs"]["constrained spec, no forced"]["forced_share"] == 0
     mixed = report["mixed_batch"]
     assert mixed["batch"] == 4 and mixed["constrained_rows"] == 2 and mixed["rounds"] == 2 and mixed["tokens"] > 0
-    assert mixed["unconstrained_identical"] == mixed["unconstrained_rows"] == 2 and -1 < mixed["cost"] < 1
+    assert mixed["unconstrained_identical"] == mixed["unconstrained_rows"] == 2
+    assert -1 < mixed["cost"] < 1 and -1 < mixed["cost_to_unconstrained"] < 1
+    assert "the unconstrained rows' own tokens/s" in (tmp_path / "structured.md").read_text()
     assert "constrained plain / unconstrained plain" in (tmp_path / "structured.md").read_text()
