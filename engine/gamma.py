@@ -145,11 +145,15 @@ class WidthCosts:
 
     The machine's speed drifts too: on a shared host the same step can take 12 ms one second and 20 ms the
     next. Compared as measured, a chain width last run in a slow spell looks dearer than the width in use, and
-    the policy keeps away from it until it ages out. So the speculative widths are kept at one ``pace``: a
-    step's seconds over its width's level is the pace it ran at (steps at the bucket's own batch size only: a
-    scaling's error is no pace), the pace is the lower quartile of the last ``window`` of those (the level's own
-    statistic: with one width in use, a lasting change moves it after 4 steps as before), and a speculative
-    sample is kept divided by it, so a width measured in another spell is read at this one's speed. The plain
+    the policy keeps away from it until it ages out. So the speculative widths are kept at one ``pace``: each
+    width has a base, the lower quartile of its first ``window`` steps at the bucket's batch size (a scaling's
+    error is no pace) as kept, fixed until the width ages out; a step's seconds over its width's base is the pace
+    it ran at, the pace is the lower quartile of the last ``window`` of those (the level's own statistic: with
+    one width in use, a lasting change moves it after 4 steps as before), and a speculative sample is kept
+    divided by it, so a width measured in another spell is read at this one's speed. The base is fixed because a
+    pace measured against the width's running level (itself kept at the pace) has nothing to hold it: noise
+    alone walked it to 0.6 or 3 within a few hundred steps at a constant speed, and a width not in use was read
+    at that walk, 2–3× off (docs/results.md, "A pace anchored to each width's first steps"). The plain
     step stays as measured: it is the yardstick, and a change in what speculating costs against it (a slower
     draft) must show, not pass for the machine's pace. In a plain spell (the latest step plain) no chain step
     says what pace the machine runs at, and the plain step would then move alone: a slower spell would make
@@ -172,6 +176,8 @@ class WidthCosts:
         self.pace = 1.0  # a step's seconds now over the seconds it is kept at (> 1: a slower spell; see the docstring)
         # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
         self._paces: deque[float] = deque([1.0] * window, maxlen=window)
+        self._bases: dict[int, float] = {}  # width → its base (see the docstring), once it has ``window`` steps
+        self._first: dict[int, list[float]] = {}  # width → its steps so far toward a base, as kept
         self._plain_spell = False  # the latest step was plain
         self._plain_then: float | None = None  # the plain step's level at the latest chain step
 
@@ -180,11 +186,20 @@ class WidthCosts:
         if self._plain_spell != (width == 1):
             self._plain_spell, self._fit = width == 1, None
         if width > 1:
-            level = self.fit()[0].get(width)
-            if level and rows == self.rows:  # a step of other rows is scaled, and a scaling's error is no pace
-                self._paces.append(seconds / level * self.pace)
+            latest = self.samples.get(width)
+            if latest and self.count - latest[-1][0] >= self.max_age:  # forgotten: measured anew from here
+                self._bases.pop(width, None)
+                self._first.pop(width, None)
+            base = self._bases.get(width)
+            if base and rows == self.rows:
+                self._paces.append(seconds / base)
                 self.pace = lower_quartile(self._paces)
             seconds /= self.pace
+            if base is None and rows == self.rows:
+                first = self._first.setdefault(width, [])
+                first.append(seconds)
+                if len(first) == self.window:
+                    self._bases[width] = lower_quartile(self._first.pop(width))
             self._plain_then = self.fit()[0].get(1)
         self.count += 1
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))

@@ -261,6 +261,24 @@ def test_width_costs_read_a_width_measured_in_a_slow_spell_at_the_machines_curre
     assert costs.level(1) == pytest.approx(1.4)  # not re-measured since the spell: it is what it was
 
 
+def test_the_pace_holds_at_a_constant_speed_with_scattered_slow_steps():
+    """Widths 2 and 3 measured at the start, then width 3 in use for 400 steps at one speed, one step in five
+    1.5–2× slow (as this VM runs). Measured against width 3's running level, the pace walked to 0.72–0.88 and
+    width 2, not re-measured, read 8.7–10.3 ms: below a plain step, so the policy was pulled to a width it had
+    no fresh word on. Against each width's base it stays put, and width 2 reads what it costs."""
+    for seed in range(6):
+        draws = random.Random(seed)
+        costs = WidthCosts(window=5, min_samples=3, max_age=1000)
+        cost = {1: 10.0, 2: 12.0, 3: 14.0}
+        for i in range(400):
+            width = 1 if i % 16 == 0 else 2 if i < 10 else 3
+            slow = draws.uniform(1.5, 2.0) if draws.random() < 0.2 else 1.0
+            costs.add(width, cost[width] * slow * draws.uniform(0.97, 1.03))
+        assert costs.pace == pytest.approx(1.0, abs=0.05)
+        assert costs.level(2) == pytest.approx(12.0, rel=0.05)
+        assert costs.level(3) == pytest.approx(14.0, rel=0.06)
+
+
 def test_a_slower_spell_while_off_does_not_make_measured_chains_look_cheap():
     """The real-shaped pair at batch 4, α ≈ 0.55 (traced in the benchmark): a chain step costs 1.8 plain steps,
     so the bucket decodes plainly. Then the machine runs 1.3× slower for a while. The plain step's level follows
