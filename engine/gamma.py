@@ -152,13 +152,13 @@ class WidthCosts:
     one width in use, a lasting change moves it after 4 steps as before), and a speculative sample is kept
     divided by it, so a width measured in another spell is read at this one's speed. The base is fixed because a
     pace measured against the width's running level (itself kept at the pace) has nothing to hold it: noise
-    alone walked it to 0.6 or 3 within a few hundred steps at a constant speed, and a width not in use was read
-    at that walk, 2–3× off (docs/results.md, "A pace anchored to each width's first steps"). The plain
-    step stays as measured: it is the yardstick, and a change in what speculating costs against it (a slower
-    draft) must show, not pass for the machine's pace. In a plain spell (the latest step plain) no chain step
-    says what pace the machine runs at, and the plain step would then move alone: a slower spell would make
-    every chain look cheaper than it is, and turn speculation on at a loss. So there the speculative widths
-    follow the plain step's level from where it stood at the last chain step.
+    alone walks it away from the machine's speed, and a width not in use is read at that walk (docs/results.md,
+    "A pace anchored to each width's first steps"). The plain step stays as measured: it is the yardstick, and
+    a change in what speculating costs against it (a slower draft) must show, not pass for the machine's pace.
+    In a plain spell (the latest step plain) no chain step says what pace the machine runs at, and the plain
+    step would then move alone: a slower spell would make every chain look cheaper than it is, and turn
+    speculation on at a loss. So there the speculative widths follow the plain step's level from where it
+    stood at the last chain step.
     """
 
     def __init__(self, window: int, min_samples: int, max_age: int, rows: int = 1):
