@@ -174,7 +174,7 @@ class WidthCosts:
         self._shared_exponent = 0.0  # every width's β, for widths with none of their own
         self._exponents_current = False  # the recent steps' slopes are folded into the β above, until add
         self.pace = 1.0  # a step's seconds now over the seconds it is kept at (> 1: a slower spell; see the docstring)
-        # the pace each recent step of a measured width ran at; until steps say otherwise, the kept one
+        # the pace each recent step of a width with a base ran at; until steps say otherwise, the kept one
         self._paces: deque[float] = deque([1.0] * window, maxlen=window)
         self._bases: dict[int, float] = {}  # width → its base (see the docstring), once it has ``window`` steps
         self._first: dict[int, list[float]] = {}  # width → its steps so far toward a base, as kept
@@ -187,7 +187,7 @@ class WidthCosts:
             self._plain_spell, self._fit = width == 1, None
         if width > 1:
             latest = self.samples.get(width)
-            if latest and self.count - latest[-1][0] >= self.max_age:  # forgotten: measured anew from here
+            if latest and not self._fresh(latest[-1][0]):  # forgotten: measured anew from here
                 self._bases.pop(width, None)
                 self._first.pop(width, None)
             base = self._bases.get(width)
@@ -205,6 +205,10 @@ class WidthCosts:
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
         self.recent.append((width, rows, seconds))
         self._fit, self._exponents_current = None, False
+
+    def _fresh(self, added: int) -> bool:
+        """Whether the sample added at ``count`` = ``added`` is younger than ``max_age`` samples."""
+        return self.count - added < self.max_age
 
     def exponent(self, width: int) -> float:
         """β of T ∝ rows^β for steps of this width, from the recent steps (see the class docstring)."""
@@ -243,7 +247,7 @@ class WidthCosts:
         if self._fit is None:
             known = {}
             for w, samples in sorted(self.samples.items()):
-                fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self.count - n < self.max_age]
+                fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self._fresh(n)]
                 if len(fresh) >= self.min_samples:
                     known[w] = lower_quartile(fresh) * (self.pace * self._drift(known) if w > 1 else 1.0)
             ws = list(known)
