@@ -63,8 +63,9 @@ switches speculation off within a few steps and keeps it off while it loses. Sta
 (``max_age``), so a width that lost in one spell is tried again in another.
 
 To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
-(``min_samples`` steps, then one every ``refresh_every`` steps). Fixed γ (``adaptive=False``) ignores
-all of this.
+(``min_samples`` steps, then one every ``refresh_every`` steps), and ``min_samples`` after every probe, so
+that a probe is weighed against plain steps of its own time, not of a slow spell that ended as it began.
+Fixed γ (``adaptive=False``) ignores all of this.
 
 ``decide`` is the one decision: γ, the node budget of the step's token tree, and the room of a row's chain
 where a grammar forces a run of tokens in front of its drafts (``Shape``). The engine asks it per
@@ -158,7 +159,9 @@ class WidthCosts:
     In a plain spell (the latest step plain) no chain step says what pace the machine runs at, and the plain
     step would then move alone: a slower spell would make every chain look cheaper than it is, and turn
     speculation on at a loss. So there the speculative widths follow the plain step's level from where it
-    stood at the last chain step.
+    stood once the spell had ``min_samples`` steps of its own: its level at the last chain step may hold only
+    steps taken before the chains (plain steps are few while the bucket speculates), in a slow spell that
+    ended as the chains began, and weighed from there a probe's chain read as paying where it lost.
     """
 
     def __init__(self, window: int, min_samples: int, max_age: int, rows: int = 1):
@@ -179,12 +182,16 @@ class WidthCosts:
         self._bases: dict[int, float] = {}  # width → its base (see the docstring), once it has ``window`` steps
         self._first: dict[int, list[float]] = {}  # width → its steps so far toward a base, as kept
         self._plain_spell = False  # the latest step was plain
-        self._plain_then: float | None = None  # the plain step's level at the latest chain step
+        self._spell_steps = 0  # plain steps in the current plain spell
+        # the plain step's samples once the current plain spell had ``min_samples`` steps (see the docstring):
+        # kept as samples so that its level there is read at the current scaling to the bucket's batch size
+        self._plain_then: list[tuple[int, float, int]] | None = None
 
     def add(self, width: int, seconds: float, rows: int | None = None) -> None:
         rows = rows or self.rows
         if self._plain_spell != (width == 1):
             self._plain_spell, self._fit = width == 1, None
+            self._spell_steps, self._plain_then = 0, None
         if width > 1:
             latest = self.samples.get(width)
             if latest and not self._fresh(latest[-1][0]):  # forgotten: measured anew from here
@@ -200,11 +207,14 @@ class WidthCosts:
                 first.append(seconds)
                 if len(first) == self.window:
                     self._bases[width] = lower_quartile(self._first.pop(width))
-            self._plain_then = self.fit()[0].get(1)
         self.count += 1
         self.samples.setdefault(width, deque(maxlen=self.window)).append((self.count, seconds, rows))
         self.recent.append((width, rows, seconds))
         self._fit, self._exponents_current = None, False
+        if width == 1:
+            self._spell_steps += 1
+            if self._spell_steps == self.min_samples:
+                self._plain_then = list(self.samples[1])
 
     def _fresh(self, added: int) -> bool:
         """Whether the sample added at ``count`` = ``added`` is younger than ``max_age`` samples."""
@@ -258,8 +268,11 @@ class WidthCosts:
         return self._fit
 
     def _drift(self, known: dict[int, float]) -> float:
-        """In a plain spell, the plain step's level over where it stood at the last chain step (else 1)."""
-        return known[1] / self._plain_then if self._plain_spell and self._plain_then and 1 in known else 1.0
+        """In a plain spell, the plain step's level over where it stood at the spell's ``min_samples``-th step
+        (else 1)."""
+        if not (self._plain_spell and self._plain_then and 1 in known):
+            return 1.0
+        return known[1] / lower_quartile([self.scaled(1, x, r) for _, x, r in self._plain_then])
 
     def predict(self, width: int) -> float | None:
         known, slope, intercept = self.fit()
@@ -292,7 +305,7 @@ class BucketCosts:
     probing: bool = False  # a probe is under way: decided while off, not done measuring
     probe_steps: int = 0  # its drafted steps so far
     probe_extra: float = 0.0  # its seconds beyond a plain step's, so far
-    measure_plain: bool = False  # the next step runs plainly to measure T(1) (see GammaPolicy.observe_step)
+    measure_plain: int = 0  # steps to run plainly before the next decision, to measure T(1) (see observe_step)
     off: bool = False  # the last decision was plain (no chain pays, or its entry would not): plain steps, probes
     yields: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # width → (step, tokens per row)
     # an entry's draft seconds per token the draft caught up on (``GammaPolicy.observe_catch_up``), at the pace
@@ -644,10 +657,13 @@ class GammaPolicy:
                     bucket.next_probe = self.probe_first
                 bucket.plain_run = 0
         # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
-        # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``.
+        # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``
+        # (and ``min_samples`` after a probe: see ``_probe_step``).
+        if drafted == 0 and bucket.measure_plain:
+            bucket.measure_plain -= 1
         widths = bucket.seconds.levels()
-        bucket.measure_plain = any(w > 1 for w in widths) and (1 not in widths
-                                                               or bucket.since_plain >= self.refresh_every)
+        refresh = any(w > 1 for w in widths) and (1 not in widths or bucket.since_plain >= self.refresh_every)
+        bucket.measure_plain = max(bucket.measure_plain, int(refresh))
 
     def observe_catch_up(self, rows: int, caught_up: int, draft_seconds: float) -> None:
         """A draft call for ``rows`` rows that took in ``caught_up`` committed tokens before drafting, in
@@ -674,6 +690,13 @@ class GammaPolicy:
         bucket.next_probe = 1 if cheaper else max(min(2 * bucket.next_probe, self.probe_every), spaced)
         bucket.plain_run = bucket.probe_steps = 0
         bucket.probe_extra, bucket.probing = 0.0, False
+        # The plain steps the probe is weighed against were taken before it, and the machine's speed may have
+        # changed since: a slow spell that ends as the probe starts leaves T(1) at the slow spell's level, and
+        # the probe's chain, measured at the faster speed, reads as paying where it loses. Plain steps taken
+        # after the probe weigh it at its own speed before it can turn speculation on: ``min_samples`` of them
+        # set the lower quartile of the last ``window``, unless older ones are lower, which errs toward plain.
+        if self._measured_chains(bucket).get(drafted, 0.0) >= 1.0 - self.margin:
+            bucket.measure_plain = self.costs.min_samples
 
     def as_dict(self) -> dict:
         """Per batch bucket: the measured plain step, and each measured chain's speed over it (router stats)."""

@@ -303,6 +303,35 @@ def test_a_slower_spell_while_off_does_not_make_measured_chains_look_cheap():
     assert unprobed == []
 
 
+def test_a_probe_after_a_slow_spell_is_weighed_against_plain_steps_of_its_own_time():
+    """The real-shaped pair at batch 4, α ≈ 0.69 (traced in the benchmark): a γ = 1 step costs 2 plain steps for
+    ~1.7 tokens a row, so the bucket decodes plainly. The machine runs 1.35× slower for a spell that ends as a
+    probe begins: against the slow spell's plain level the probe's γ = 1 read 1.08–1.15× plain, and the bucket
+    speculated at a loss until its plain level was refreshed. Plain steps after the probe weigh it at its own
+    speed, and no step speculates except probes."""
+    for seed in range(4):
+        policy = GammaPolicy(adaptive=True)
+        bucket = policy.costs.bucket(4)
+        states = [GammaState() for _ in range(4)]
+        draws = random.Random(seed)
+        slow, unprobed, spells, fast_since = False, [], 0, 0
+        for i in range(400):
+            gamma = policy.decide(states).gamma
+            probing = bucket.probing
+            if i >= fast_since + 20 and bucket.off and not slow and gamma == 0 and draws.random() < 0.1:
+                slow = True  # a slow spell starts while the bucket decodes plainly ...
+            if slow and probing:
+                slow, spells, fast_since = False, spells + 1, i  # ... and ends as a probe begins
+            if gamma and not probing and i >= 40:
+                unprobed.append(i)
+            for st in states:
+                policy.observe(st, gamma, next((k for k in range(gamma) if draws.random() > 0.69), gamma))
+            speed = (1.35 if slow else 1.0) * draws.uniform(0.98, 1.04)
+            policy.observe_step(4, gamma, speed * (1.0 + 0.8 * gamma + 0.2 * (gamma > 0)))
+        assert spells >= 3, spells
+        assert unprobed == [], (seed, unprobed)
+
+
 def test_width_costs_between_and_beyond_measured_widths():
     verify = WidthCosts(window=5, min_samples=1, max_age=100)
     verify.add(3, 2.0)
