@@ -63,8 +63,9 @@ switches speculation off within a few steps and keeps it off while it loses. Sta
 (``max_age``), so a width that lost in one spell is tried again in another.
 
 To know T(1) at a bucket where it speculates, the policy runs the bucket's steps plainly a few times
-(``min_samples`` steps, then one every ``refresh_every`` steps), and ``min_samples`` after every probe, so
-that a probe is weighed against plain steps of its own time, not of a slow spell that ended as it began.
+(``min_samples`` steps, then one every ``refresh_every`` steps), and ``min_samples`` after a probe that
+reads as paying, so that it is weighed against plain steps of its own time before speculation comes on, not
+against those of a slow spell that ended as it began.
 Fixed γ (``adaptive=False``) ignores all of this.
 
 ``decide`` is the one decision: γ, the node budget of the step's token tree, and the room of a row's chain
@@ -658,7 +659,7 @@ class GammaPolicy:
                 bucket.plain_run = 0
         # T(1) is the yardstick of every S; where the bucket speculates it is measured by plain steps:
         # ``min_samples`` of them once something speculative is measured, then one per ``refresh_every``
-        # (and ``min_samples`` after a probe: see ``_probe_step``).
+        # (and ``min_samples`` after a probe that reads as paying: see ``_probe_step``).
         if drafted == 0 and bucket.measure_plain:
             bucket.measure_plain -= 1
         widths = bucket.seconds.levels()
