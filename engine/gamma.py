@@ -258,9 +258,9 @@ class WidthCosts:
         if self._fit is None:
             known = {}
             for w, samples in sorted(self.samples.items()):
-                fresh = [self.scaled(w, x, r) for n, x, r in samples if w == 1 or self._fresh(n)]
+                fresh = [sample for sample in samples if w == 1 or self._fresh(sample[0])]
                 if len(fresh) >= self.min_samples:
-                    known[w] = lower_quartile(fresh) * (self.pace * self._drift(known) if w > 1 else 1.0)
+                    known[w] = self._quartile(w, fresh) * (self.pace * self._drift(known) if w > 1 else 1.0)
             ws = list(known)
             slopes = [(known[b] - known[a]) / (b - a) for i, a in enumerate(ws) for b in ws[i + 1:]]
             slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
@@ -273,7 +273,11 @@ class WidthCosts:
         (else 1)."""
         if not (self._plain_spell and self._plain_then and 1 in known):
             return 1.0
-        return known[1] / lower_quartile([self.scaled(1, x, r) for _, x, r in self._plain_then])
+        return known[1] / self._quartile(1, self._plain_then)
+
+    def _quartile(self, width: int, samples: Sequence[tuple[int, float, int]]) -> float:
+        """The lower quartile of samples (count, seconds, rows) of this width, scaled to the bucket's batch size."""
+        return lower_quartile([self.scaled(width, x, r) for _, x, r in samples])
 
     def predict(self, width: int) -> float | None:
         known, slope, intercept = self.fit()
