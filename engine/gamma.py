@@ -29,8 +29,9 @@ evidence is a handful of steps, and a short stretch of rejections in them is mos
 draft accepts over the text. Unshrunk, such a stretch turned speculation off where it paid (docs/results.md,
 "A row's α shrunk toward the workload's").
 
-One γ serves a whole micro-batch: its verify is as wide as its longest chain, so every row pays for
-the widest, and what one row gains the batch pays for. The policy picks the
+One γ serves a whole micro-batch: its draft loop runs as many positions as its longest chain for every
+row (and so does its verify where that is one captured rectangle), so every row pays for the widest, and
+what one row gains the batch pays for. The policy picks the
 γ in [γ_min, γ_max] that maximises the batch's S (the rows' expected tokens over the step's cost; at
 batch 1 simply the sequence's S). High α favours long chains and low α short ones; the benchmark
 reports what the policy actually picks. When even the best γ would not beat plain decoding (S < 1),
@@ -71,9 +72,10 @@ Fixed γ (``adaptive=False``) ignores all of this.
 ``decide`` is the one decision: γ, the node budget of the step's token tree, and the room of a row's chain
 where a grammar forces a run of tokens in front of its drafts (``Shape``). The engine asks it per
 micro-batch and hands the shape to the proposer with the rows (``ProposeItem.nodes``). A forced run costs no
-draft forward but widens every row's verify; the room is the width that maximises the step's expected
+draft forward but lengthens the verify (by its own tokens where the verify runs packed, for every row where
+it is one captured rectangle: ``runtime.forward``); the room is the width that maximises the step's expected
 tokens over its measured cost (``_chain_room``), so a few constrained rows among many unconstrained ones on
-a compute-bound device do not widen the step every other row pays for.
+a compute-bound device do not lengthen the step every other row pays for.
 
 Token trees (issue 15; ``tree_nodes`` > 0). The
 shape of a step is the chain of the chosen γ or a tree of n nodes grown to depth γ, for n on a ladder
@@ -467,13 +469,13 @@ class GammaPolicy:
 
     def _chain_room(self, states: Sequence[GammaState], gamma: int, forced: Sequence[int]) -> int:
         """The most tokens a row's chain may hold, a forced run in front of its γ drafts included. A forced run
-        is nearly free to propose but not to verify: the verify is as wide as the longest chain, for every row.
-        So the room is the k in [γ, γ_max] that maximises the step's expected tokens over its measured cost
-        T(k + 1): a row with a run of f takes min(f, k) forced tokens, and drafts after a whole run up to k. On
-        a device whose wider verify costs little (one row, a GPU) the runs go in whole; on a compute-bound
-        one at a large batch, a few constrained rows do not widen the step every other row pays for. T(k + 1)
-        is a step of k model drafts, which costs more than forced tokens do (no draft forward): the room errs
-        narrow. Where no cost was measured (or γ is fixed), runs go in whole."""
+        is nearly free to propose but not to verify. So the room is the k in [γ, γ_max] that maximises the
+        step's expected tokens over its measured cost T(k + 1): a row with a run of f takes min(f, k) forced
+        tokens, and drafts after a whole run up to k. On a device whose wider verify costs little (one row, a
+        GPU) the runs go in whole; on a compute-bound one at a large batch, a few constrained rows do not
+        lengthen the step every other row pays for. T(k + 1) is a step of k model drafts in every row, which
+        costs more than forced tokens do (no draft forward; on a packed verify, only the run's own tokens):
+        the room errs narrow. Where no cost was measured (or γ is fixed), runs go in whole."""
         if not any(forced) or not self.adaptive:
             return self.gamma_max
         bucket = self.costs.bucket(len(states))

@@ -15,8 +15,14 @@ read ever covers unmasked. With ``tree`` (``runtime.token_tree``)
 the tokens still write to those columns, but RoPE and the mask take each token's position (a tree node's:
 prefix length + depth) and visibility (its ancestors, not its siblings) from the caller.
 
-Nothing here reads a tensor back to the host or allocates with a data-dependent shape, so a call with
-fixed-shape inputs can be captured once as a CUDA graph and replayed (``runtime.cuda_graphs``,
+``packed`` runs the projections, MLPs, norms and the LM head over the rows' real tokens only, row after row,
+and attention on the padded grid: rows of unequal length (chains cut short, a grammar's forced run on a few
+rows, prompts of different lengths) then cost what they feed rather than the longest row times the batch, a
+difference a compute-bound target (a CPU) pays in full. Its shapes depend on the data, so it is for eager
+calls only.
+
+Otherwise nothing here reads a tensor back to the host or allocates with a data-dependent shape, so a call
+with fixed-shape inputs can be captured once as a CUDA graph and replayed (``runtime.cuda_graphs``,
 ``ModelRunner``'s static step). Where ``runtime.fusion`` has fused a layer's projections, q/k/v and
 gate/up each run as one GEMM and RoPE runs once over q and k; on CUDA the RMSNorms run as fused
 ``F.rms_norm`` (fewer kernels per layer, issue 14 item 3).
@@ -109,6 +115,7 @@ def forward(
     kv_len: int,  # ≥ max(start + lengths); keys read per row
     contiguous_from: int | None,  # tables == arange(contiguous_from, … + B × NB).view(B, NB) if not None
     tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # positions [B, T], visible [B, T, T]: runtime.token_tree
+    packed: bool = False,  # only the rows' real tokens through the GEMMs (see the module docstring)
 ) -> torch.Tensor:  # [B, N, V] logits
     inner = model.model
     B, T = input_ids.shape
@@ -125,30 +132,72 @@ def forward(
         positions = tree[0]
         masks = tree_masks(start, positions, tree[1], kv_len, windows)
 
-    hidden = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(hidden, positions)  # [B, T, D]
+    # The token grid the GEMMs run over: [B, T], or [1, R] of the R real tokens when packed. Attention runs on
+    # [B, T] either way (per row, against its own keys).
+    grid = _TokenGrid(real if packed else None, B, T)
+    hidden = inner.embed_tokens(grid.pack(input_ids))
+    cos, sin = inner.rotary_emb(hidden, grid.pack(positions))  # [b, t, D]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    write_at = grid.pack(write_at)
     head_dim = head_dim_of(model)
+    b, t = hidden.shape[:2]
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = _norm(layer.input_layernorm, hidden)
         fused = getattr(attn, "fused_qkv", None)  # runtime.fusion: one GEMM for q, k and v
         if fused is not None:
-            qkv = fused(x)  # [B, T, (Hq + 2 Hkv) · D]
+            qkv = fused(x)  # [b, t, (Hq + 2 Hkv) · D]
             nq, nk = fused.sizes[0], fused.sizes[1]
-            qk = _rope(qkv[..., : nq + nk].reshape(B, T, -1, head_dim), cos, sin)  # q and k heads in one pass
+            qk = _rope(qkv[..., : nq + nk].reshape(b, t, -1, head_dim), cos, sin)  # q and k heads in one pass
             q, k = qk.split([nq // head_dim, nk // head_dim], dim=2)
-            v = qkv[..., nq + nk:].reshape(B, T, -1, head_dim)
+            v = qkv[..., nq + nk:].reshape(b, t, -1, head_dim)
         else:
-            q = _rope(attn.q_proj(x).view(B, T, -1, head_dim), cos, sin)
-            k = _rope(attn.k_proj(x).view(B, T, -1, head_dim), cos, sin)
-            v = attn.v_proj(x).view(B, T, -1, head_dim)
+            q = _rope(attn.q_proj(x).view(b, t, -1, head_dim), cos, sin)
+            k = _rope(attn.k_proj(x).view(b, t, -1, head_dim), cos, sin)
+            v = attn.v_proj(x).view(b, t, -1, head_dim)
         pool.write(i, write_at, k, v)
         keys, values = pool.read(i, tables, kv_len, contiguous_from)  # [B, kv_len, Hkv, D]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            grid.unpack(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=masks[windows[i]], scale=attn.scaling, enable_gqa=True)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        hidden = hidden + attn.o_proj(grid.pack(out.transpose(1, 2).reshape(B, T, -1)))
         hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
-    picked = hidden.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
-    return model.lm_head(_norm(inner.norm, picked))
+    return grid.logits(hidden, logit_index, lambda x: model.lm_head(_norm(inner.norm, x)))
+
+
+class _TokenGrid:
+    """Where a forward's tokens sit: the padded [B, T] grid, or (``real`` given) packed as [1, R], the R real
+    tokens row after row. ``pack`` takes a [B, T, ...] tensor onto the grid, ``unpack`` puts it back (padded
+    positions zero), ``logits`` applies the head at the logit columns."""
+
+    def __init__(self, real: torch.Tensor | None,  # [B, T] bool, or None: not packed
+                 B: int, T: int):
+        self.B, self.T = B, T
+        self.index = None if real is None else real.flatten().nonzero().squeeze(1)  # [R] into B × T
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] → [B, T, ...] or [1, R, ...]
+        if self.index is None:
+            return x
+        return x.flatten(0, 1).index_select(0, self.index).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:  # [b, t, ...] → [B, T, ...]
+        if self.index is None:
+            return x
+        full = x.new_zeros((self.B * self.T, *x.shape[2:]))
+        return full.index_copy_(0, self.index, x[0]).view(self.B, self.T, *x.shape[2:])
+
+    def logits(self, hidden: torch.Tensor,  # [b, t, H]
+               logit_index: torch.Tensor,  # [B, N] columns of the [B, T] grid
+               head,  # [b, n, H] → [b, n, V]: the final norm and the LM head
+               ) -> torch.Tensor:  # [B, N, V]
+        if self.index is None:
+            return head(hidden.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+        # Rows asking fewer logits than N repeat their first column; the head (a GEMM as wide as the
+        # vocabulary) runs once per distinct token. A column of no real token (a padded row's) reads packed
+        # token 0: its logits are never read.
+        where = torch.zeros(self.B * self.T, dtype=torch.long, device=hidden.device)
+        where[self.index] = torch.arange(self.index.shape[0], device=hidden.device)
+        columns = logit_index + torch.arange(self.B, device=hidden.device).unsqueeze(1) * self.T
+        tokens, inverse = torch.unique(where[columns.flatten()], return_inverse=True)
+        logits = head(hidden.index_select(1, tokens))[0]  # [M, V]; the head as the model calls it, on [1, M, H]
+        return logits.index_select(0, inverse).view(self.B, logit_index.shape[1], -1)

@@ -448,6 +448,7 @@ class ModelRunner:
         self.upload(bufs["inputs"], rows)
         inputs = bufs["inputs"]
         ids = 3 + NB
+        packed = not self.graphs.enabled and self._ragged(feeds, Bb, T)
 
         def step():
             tree = None
@@ -455,10 +456,17 @@ class ModelRunner:
                 tree = inputs[:, ids + T + N: ids + 2 * T + N], inputs[:, ids + 2 * T + N:].view(Bb, T, T) != 0
             logits = fwd.forward(self.model, self.pool, self.windows, inputs[:, 3:ids], inputs[:, 0],
                                  inputs[:, ids: ids + T], inputs[:, 1], inputs[:, ids + T: ids + T + N], kv_len,
-                                 contiguous, tree)
+                                 contiguous, tree, packed=packed)
             return logits.index_select(0, inputs[:, 2])  # back to the caller's row order
 
         return self.graphs.run(key, step)[:B]
+
+    @staticmethod
+    def _ragged(feeds: list[list[int]], rows: int, T: int) -> bool:
+        """Whether a forward of ``rows`` rows padded to ``T`` tokens runs packed (``runtime.forward``): where
+        padding would be a tenth or more of its tokens (below that, packing's index copies cost about what the
+        padding does: ``scripts/bench_packed_forward.py``)."""
+        return 10 * (rows * T - sum(map(len, feeds))) >= rows * T
 
     def _forward_dynamic(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]], num_logits,
                          T: int, N: int, end: int, trees: list[tuple[int, list[int]]] | None = None
@@ -484,7 +492,7 @@ class ModelRunner:
                     torch.tensor([v for _, v in layouts], dtype=torch.bool).to(dev))
         logits = fwd.forward(self.model, self.pool, self.windows, torch.tensor(tables, dtype=torch.long, device=dev),
                              start.to(dev), ids.to(dev), lengths.to(dev), logit_index.to(dev), kv_len,
-                             block_run(tables), tree)
+                             block_run(tables), tree, packed=self._ragged(feeds, B, T))
         if order != list(range(B)):
             inverse = [0] * B
             for i, b in enumerate(order):

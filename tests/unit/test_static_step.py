@@ -237,6 +237,46 @@ def test_a_join_beside_decoding_rows_runs_apart_with_the_same_logits(pair, optio
     torch.testing.assert_close(out["split"][1], out["padded"][1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_ragged_rows_run_packed_with_the_padded_logits(pair, options, tree, monkeypatch):
+    """Eight rows feeding 1–6 tokens (chains cut short, a forced run on a few rows): packed, the GEMMs take
+    the 27 real tokens instead of 48 padded positions, and every row's logits and the K/V it leaves behind
+    (read by the next step) are those of the padded forward."""
+    target, _ = pair
+    real_forward, packed_calls = runner_module.fwd.forward, []
+
+    def counting(*args, **kwargs):
+        packed_calls.append(kwargs.get("packed", False))
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module.fwd, "forward", counting)
+    widths = [1, 6, 2, 1, 4, 6, 3, 4]
+    out = {}
+    for name, ragged in (("packed", ModelRunner._ragged), ("padded", lambda feeds, rows, T: False)):
+        monkeypatch.setattr(ModelRunner, "_ragged", staticmethod(ragged))
+        runner = ModelRunner(target, max_slots=8, max_len=64, **{**options, "fuse": False})
+        for s in range(8):
+            runner.sync(SyncItem(s, 0, tuple(range(3 + s, 13 + 2 * s))))
+        runner.forward(list(range(8)), [[]] * 8, [1] * 8)
+        del packed_calls[:]
+        if tree:  # node i's parent: i - 2 (two chains side by side), the first two children of the root
+            parents = [[i - 2 if i > 1 else -1 for i in range(w - 1)] for w in widths]
+            first = runner.tree_forward(list(range(8)), parents, [[20 + i for i in range(w - 1)] for w in widths])
+            runner.commit_paths(list(range(8)), [list(range(0, w - 1, 2)) for w in widths])
+        else:
+            first = runner.forward(list(range(8)), [[20 + i for i in range(w - 1)] for w in widths], widths)
+        assert packed_calls == [name == "packed"]
+        rows = [first[b, :w].clone() for b, w in enumerate(widths)]
+        for s in range(8):  # the next step reads every row's cached K/V
+            runner.sync(SyncItem(s, len(runner.seqs[s].tokens), (40 + s,)))
+        second = runner.forward(list(range(8)), [[]] * 8, [1] * 8)
+        out[name] = (rows, second.clone())
+    for a, b in zip(out["packed"][0], out["padded"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["packed"][1], out["padded"][1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_fused_rms_norm_matches_the_models_own(dtype, tol):
     """The CUDA forward's RMSNorm (``forward.rms_norm``) against the model's module, same dtype."""
