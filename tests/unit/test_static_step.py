@@ -240,9 +240,10 @@ def test_a_join_beside_decoding_rows_runs_apart_with_the_same_logits(pair, optio
 @pytest.mark.parametrize("options", [STATIC, DYNAMIC], ids=["static", "dynamic"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 def test_ragged_rows_run_packed_with_the_padded_logits(pair, options, tree, monkeypatch):
-    """Eight rows feeding 1–6 tokens (chains cut short, a forced run on a few rows): packed, the GEMMs take
-    the 27 real tokens instead of 48 padded positions, and every row's logits and the K/V it leaves behind
-    (read by the next step) are those of the padded forward."""
+    """Six rows feeding 1–6 tokens (chains cut short, a forced run on a few rows; the static path pads the
+    batch to eight rows that feed nothing): packed, the GEMMs take the 17 real tokens instead of 36 or 48
+    padded positions, and every row's logits and the K/V it leaves behind (read by the next step) are those
+    of the padded forward."""
     target, _ = pair
     real_forward, packed_calls = runner_module.fwd.forward, []
 
@@ -251,26 +252,26 @@ def test_ragged_rows_run_packed_with_the_padded_logits(pair, options, tree, monk
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(runner_module.fwd, "forward", counting)
-    widths = [1, 6, 2, 1, 4, 6, 3, 4]
+    widths = [1, 6, 2, 1, 4, 3]
     out = {}
     for name, ragged in (("packed", ModelRunner._ragged), ("padded", lambda feeds, rows, T: False)):
         monkeypatch.setattr(ModelRunner, "_ragged", staticmethod(ragged))
         runner = ModelRunner(target, max_slots=8, max_len=64, **{**options, "fuse": False})
-        for s in range(8):
+        for s in range(6):
             runner.sync(SyncItem(s, 0, tuple(range(3 + s, 13 + 2 * s))))
-        runner.forward(list(range(8)), [[]] * 8, [1] * 8)
+        runner.forward(list(range(6)), [[]] * 6, [1] * 6)
         del packed_calls[:]
         if tree:  # node i's parent: i - 2 (two chains side by side), the first two children of the root
             parents = [[i - 2 if i > 1 else -1 for i in range(w - 1)] for w in widths]
-            first = runner.tree_forward(list(range(8)), parents, [[20 + i for i in range(w - 1)] for w in widths])
-            runner.commit_paths(list(range(8)), [list(range(0, w - 1, 2)) for w in widths])
+            first = runner.tree_forward(list(range(6)), parents, [[20 + i for i in range(w - 1)] for w in widths])
+            runner.commit_paths(list(range(6)), [list(range(0, w - 1, 2)) for w in widths])
         else:
-            first = runner.forward(list(range(8)), [[20 + i for i in range(w - 1)] for w in widths], widths)
+            first = runner.forward(list(range(6)), [[20 + i for i in range(w - 1)] for w in widths], widths)
         assert packed_calls == [name == "packed"]
         rows = [first[b, :w].clone() for b, w in enumerate(widths)]
-        for s in range(8):  # the next step reads every row's cached K/V
+        for s in range(6):  # the next step reads every row's cached K/V
             runner.sync(SyncItem(s, len(runner.seqs[s].tokens), (40 + s,)))
-        second = runner.forward(list(range(8)), [[]] * 8, [1] * 8)
+        second = runner.forward(list(range(6)), [[]] * 6, [1] * 6)
         out[name] = (rows, second.clone())
     for a, b in zip(out["packed"][0], out["padded"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
