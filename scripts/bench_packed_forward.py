@@ -63,7 +63,7 @@ def main() -> int:
     for s in range(B):
         runner.sync(SyncItem(s, 0, tuple(rng.randrange(vocab) for _ in range(rng.randrange(30, 90)))))
     runner.forward(list(range(B)), [[]] * B, [1] * B)
-    ragged = ModelRunner._ragged
+    ragged = ModelRunner.__dict__["_ragged"]  # the staticmethod itself, put back after each forward
 
     def forward(widths: list[int], packed: bool, drafts: list[list[int]]) -> torch.Tensor:
         """One verify of ``drafts``, forced padded or packed; the rows' caches left as they were."""
